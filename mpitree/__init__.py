@@ -1,0 +1,30 @@
+"""mpitree: exact attention decoding over a sequence-sharded KV cache, merged by MPI.
+
+Each rank computes the partial online-softmax state ``(m, d, n)`` of the queries
+over its own keys; the states merge associatively across ranks in one
+``MPI_Allreduce`` with a native user-defined op. Log-sum-exp values are natural
+log throughout.
+"""
+
+from ._local import local_state
+from ._op import native_op_available
+from ._plan import DecodePlan, allreduce_state, tree_decode
+from ._runtime import default_comm, set_blas_threads
+from ._state import State, combine
+from ._validate import STRATEGIES
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "STRATEGIES",
+    "DecodePlan",
+    "State",
+    "__version__",
+    "allreduce_state",
+    "combine",
+    "default_comm",
+    "local_state",
+    "native_op_available",
+    "set_blas_threads",
+    "tree_decode",
+]

@@ -1,0 +1,26 @@
+"""Command line: ``mpiexec -n 4 python -m mpitree demo``."""
+
+import argparse
+import sys
+
+
+def main(argv=None):
+    """Parse the command line and run the chosen subcommand."""
+    parser = argparse.ArgumentParser(prog="python -m mpitree", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    from . import _demo
+
+    demo = sub.add_parser("demo", help="check and time every strategy on a synthetic context")
+    _demo.add_arguments(demo)
+    demo.add_argument("--tolerance", type=float, default=None,
+                      help="exit 1 if any strategy's max error exceeds this")
+    args = parser.parse_args(argv)
+    err = _demo.run(args)
+    if args.tolerance is not None and err is not None and err > args.tolerance:
+        print(f"FAILED: max error {err:.3e} > tolerance {args.tolerance:.1e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Local attention on this rank's shard: the numpy reference kernel."""
+
+import numpy as np
+
+from ._state import State
+from ._validate import check_masking, check_shapes, resolve_scale
+
+
+def visibility(shapes, t, kv_len=None, q_pos=None, k_pos=None, mask=None):
+    """Fold kv_len, positions and mask into one boolean array, or None if all keys are visible.
+
+    Returns
+    -------
+    numpy.ndarray or None
+        bool, ``(B, Hm, Sq, T)`` with ``Hm`` 1 or Hq; True = attend.
+    """
+    vis = None
+    b, sq = shapes.batch, shapes.q_len
+    if kv_len is not None:
+        vis = (np.arange(t) < kv_len[:, None])[:, None, None, :]
+    if q_pos is not None:
+        causal = (k_pos[:, None, :] <= q_pos[:, :, None])[:, None]
+        vis = causal if vis is None else vis & causal
+    if mask is not None:
+        m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        vis = m if vis is None else vis & m
+    if vis is None:
+        return None
+    heads = vis.shape[1]
+    return np.ascontiguousarray(np.broadcast_to(vis, (b, heads, sq, t)))
+
+
+def attend(q, k, v, scale, vis, out):
+    """Write the state of rows ``q`` over keys ``k, v`` into ``out`` records.
+
+    q: (B, Hq, Sq, D); k, v: (B, Hkv, T, D); vis: None or bool (B, 1|Hq, Sq, T);
+    out: (B, Hq, Sq, D + 2) float32/float64 records. GQA without repeating K/V.
+    """
+    b, hq, sq, dim = q.shape
+    hkv, t = k.shape[1], k.shape[2]
+    g = hq // hkv
+    acc = out.dtype
+    rec = out.reshape(b, hkv, g * sq, dim + 2)
+    if t == 0:
+        rec[..., 0] = -np.inf
+        rec[..., 1:] = 0
+        return
+    qs = q.astype(acc) * acc.type(scale)
+    kk = k if k.dtype == acc else k.astype(acc)
+    vv = v if v.dtype == acc else v.astype(acc)
+    s = np.matmul(qs.reshape(b, hkv, g * sq, dim), kk.swapaxes(-1, -2))
+    if vis is not None:
+        s = s.reshape(b, hkv, g, sq, t)
+        hm = vis.shape[1]
+        v5 = vis.reshape(b, hkv, g, sq, t) if hm > 1 else vis[:, :, None]
+        s = np.where(v5, s, acc.type(-np.inf)).reshape(b, hkv, g * sq, t)
+    m = s.max(axis=-1)
+    shift = np.where(np.isneginf(m), 0, m)
+    p = np.exp(s - shift[..., None])
+    rec[..., 0] = m
+    rec[..., 1] = p.sum(axis=-1)
+    np.matmul(p, vv, out=rec[..., 2:])
+
+
+def local_state(q, k, v, *, scale=None, kv_len=None, q_pos=None, k_pos=None, mask=None):
+    """Compute this shard's partial attention state (no communication).
+
+    Parameters
+    ----------
+    q : numpy.ndarray
+        ``(B, Hq, Sq, D)``, float16/float32/float64.
+    k, v : numpy.ndarray
+        ``(B, Hkv, T, D)``, same dtype as ``q``; ``Hq % Hkv == 0``; ``T`` may be 0.
+    scale : float, optional
+        Logit scale, default ``1/sqrt(D)``.
+    kv_len : numpy.ndarray, optional
+        int ``(B,)``: keys at index ``>= kv_len[b]`` are ignored.
+    q_pos, k_pos : numpy.ndarray, optional
+        int ``(B, Sq)`` and ``(B, T)``: key j is visible to query i iff
+        ``k_pos[b, j] <= q_pos[b, i]``. Give both or neither.
+    mask : numpy.ndarray, optional
+        bool, broadcastable to ``(B, Hq or 1, Sq, T)``; True = attend.
+
+    Returns
+    -------
+    State
+        ``(B, Hq, Sq, D + 2)`` records, float64 for float64 inputs, else float32.
+    """
+    shapes = check_shapes(q, k, v)
+    t = k.shape[2]
+    check_masking(shapes, t, kv_len, q_pos, k_pos, mask)
+    scale = resolve_scale(scale, shapes.head_dim)
+    out = np.empty((shapes.batch, shapes.q_heads, shapes.q_len, shapes.head_dim + 2),
+                   dtype=shapes.acc_dtype)
+    attend(q, k, v, scale, visibility(shapes, t, kv_len, q_pos, k_pos, mask), out)
+    return State(out)

@@ -1,0 +1,272 @@
+"""A reusable decode plan: validated once, buffers and requests preallocated."""
+
+import numpy as np
+
+from ._local import attend, visibility
+from ._reduce import Reducer, resolve_strategy
+from ._ring import ring_reduce
+from ._runtime import default_comm, limit_blas_threads
+from ._state import State
+from ._validate import (
+    Shapes,
+    agree,
+    check_comm,
+    check_masking,
+    check_shapes,
+    check_strategy,
+    resolve_scale,
+)
+
+
+def _invalid_elsewhere(rank):
+    """The error raised on ranks whose own input was fine."""
+    return ValueError(f"mpitree: invalid input on rank {rank} (see that rank's error)")
+
+
+class DecodePlan:
+    """A decode step for fixed shapes, reusable across a decode loop.
+
+    Construction is collective over ``comm``: it checks with one small collective
+    that every rank agrees on the shapes, dtype, scale and strategy, and
+    preallocates the state buffer (and a persistent ``MPI_Allreduce_init``
+    request where the MPI library supports it). Each :meth:`decode` then pays
+    only for local attention and one collective. Free it with :meth:`free`, or
+    use it as a context manager.
+
+    Parameters
+    ----------
+    batch, q_heads, kv_heads, head_dim : int
+        ``B``, ``Hq``, ``Hkv`` (``Hq % Hkv == 0``) and ``D``.
+    q_len : int, optional
+        ``Sq``, query tokens per step (default 1).
+    dtype : numpy dtype, optional
+        dtype of q, k, v: float16, float32 (default) or float64.
+    comm : mpi4py.MPI.Intracomm, optional
+        Default: mpitree's private duplicate of ``COMM_WORLD``.
+    scale : float, optional
+        Logit scale, default ``1/sqrt(D)``.
+    strategy : str, optional
+        ``"auto"`` (default), ``"allreduce"``, ``"allreduce3"``, ``"allgather"`` or ``"ring"``.
+    """
+
+    def __init__(self, batch, q_heads, kv_heads, head_dim, *, q_len=1, dtype=np.float32,
+                 comm=None, scale=None, strategy="auto"):
+        comm = default_comm() if comm is None else comm
+        check_comm(comm)
+        error = shapes = None
+        try:
+            check_strategy(strategy)
+            q = np.empty((batch, q_heads, q_len, head_dim), dtype=dtype)
+            kv = np.empty((batch, kv_heads, 0, head_dim), dtype=dtype)
+            shapes = check_shapes(q, kv, kv)
+            scale = resolve_scale(scale, head_dim)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        agree(comm, error, shapes, strategy, scale)
+        self._setup(comm, shapes, scale, strategy, persistent=True)
+
+    @classmethod
+    def _agreed(cls, comm, shapes, scale, strategy):
+        """Build a one-shot plan for inputs already checked and agreed on."""
+        plan = cls.__new__(cls)
+        plan._setup(comm, shapes, scale, strategy, persistent=False)
+        return plan
+
+    def _setup(self, comm, shapes, scale, strategy, persistent):
+        """Allocate buffers and the reduction for a validated problem."""
+        limit_blas_threads()
+        self.comm = comm
+        self.shapes = shapes
+        self.scale = scale
+        self.strategy = resolve_strategy(strategy)
+        rows = shapes.rows
+        if self.strategy == "ring":
+            self._reducer = None
+            self._records = np.empty((rows, shapes.head_dim + 2), dtype=shapes.acc_dtype)
+        else:
+            self._reducer = Reducer(comm, rows, shapes.head_dim, shapes.acc_dtype,
+                                    self.strategy, persistent=persistent)
+            self._records = self._reducer.records
+
+    def decode(self, q, k, v, *, kv_len=None, q_pos=None, k_pos=None, mask=None,
+               return_lse=False):
+        """Run one decode step; collective over the plan's communicator.
+
+        Parameters
+        ----------
+        q : numpy.ndarray
+            ``(B, Hq, Sq, D)``, identical on every rank.
+        k, v : numpy.ndarray
+            ``(B, Hkv, T, D)``: this rank's shard; ``T`` may differ per rank and be 0.
+        kv_len, q_pos, k_pos, mask
+            As in :func:`mpitree.tree_decode`.
+        return_lse : bool, optional
+            Also return the log-sum-exp.
+
+        Returns
+        -------
+        out : numpy.ndarray
+            ``(B, Hq, Sq, D)`` in q's dtype; 0 for rows that see no key.
+        lse : numpy.ndarray
+            ``(B, Hq, Sq)``, float32, natural log; -inf for rows that see no key.
+            Only with ``return_lse=True``.
+        """
+        error = vis = None
+        try:
+            shapes = check_shapes(q, k, v)
+            if shapes != self.shapes:
+                raise ValueError(f"inputs {shapes} do not match the plan's {self.shapes}")
+            check_masking(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
+            vis = visibility(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        sh = self.shapes
+        records = self._records.reshape(sh.batch, sh.q_heads, sh.q_len, sh.head_dim + 2)
+        if self.strategy == "ring":
+            bad = ring_reduce(self.comm, q, k, v, self.scale, vis, records, error is not None)
+        else:
+            if error is None:
+                attend(q, k, v, self.scale, vis, records)
+            bad = self._reducer.run(failed=error is not None)
+        if error is not None:
+            raise error
+        if bad is not None:
+            raise _invalid_elsewhere(bad)
+        state = State(records)
+        out = state.output(q.dtype)
+        return (out, state.lse()) if return_lse else out
+
+    def free(self):
+        """Release the plan's MPI request (buffers go with the object)."""
+        if self._reducer is not None:
+            self._reducer.free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+
+    def __repr__(self):
+        return (f"DecodePlan({self.shapes}, strategy={self.strategy!r}, "
+                f"ranks={self.comm.Get_size()})")
+
+
+def tree_decode(q, k, v, comm=None, *, scale=None, kv_len=None, q_pos=None, k_pos=None,
+                mask=None, strategy="auto", return_lse=False):
+    """Exact attention of replicated queries over a KV cache sharded along the sequence.
+
+    Collective over ``comm``: every rank passes the same ``q`` and its own shard of
+    keys and values, and every rank receives the attention output over the
+    concatenation of all shards (in any order: the merge is commutative), as one
+    process would compute it. Only per-row states of ``D + 2`` numbers travel.
+
+    Parameters
+    ----------
+    q : numpy.ndarray
+        ``(B, Hq, Sq, D)``, float16/float32/float64, identical on every rank.
+    k, v : numpy.ndarray
+        ``(B, Hkv, T, D)``, same dtype as ``q``: this rank's shard; ``T`` may
+        differ between ranks and may be 0. ``Hq % Hkv == 0`` (GQA/MQA: query head
+        ``h`` uses kv head ``h // (Hq // Hkv)``; K/V are never repeated).
+    comm : mpi4py.MPI.Intracomm, optional
+        Default: mpitree's private duplicate of ``COMM_WORLD``.
+    scale : float, optional
+        Logit scale, default ``1/sqrt(D)``.
+    kv_len : numpy.ndarray, optional
+        int ``(B,)``: valid keys per batch row in this shard; keys at index
+        ``>= kv_len[b]`` are ignored.
+    q_pos, k_pos : numpy.ndarray, optional
+        int ``(B, Sq)`` and ``(B, T)``: global positions; key j is visible to
+        query i iff ``k_pos[b, j] <= q_pos[b, i]``. Give both or neither.
+    mask : numpy.ndarray, optional
+        bool, broadcastable to ``(B, Hq or 1, Sq, T)``; True = attend. Combines
+        with ``kv_len`` and positions (a key must pass all three).
+    strategy : str, optional
+        ``"allreduce"`` (one MPI_Allreduce with a native user op),
+        ``"allreduce3"`` (the paper's Algorithm 3: MAX then two SUMs),
+        ``"allgather"`` (gather states, merge locally), ``"ring"`` (Ring
+        Attention baseline: K/V travel the ring) or ``"auto"`` (default:
+        ``"allreduce"``, or ``"allreduce3"`` if the native op is unavailable).
+    return_lse : bool, optional
+        Also return the log-sum-exp.
+
+    Returns
+    -------
+    out : numpy.ndarray
+        ``(B, Hq, Sq, D)`` in q's dtype; 0 for rows that see no key on any rank.
+    lse : numpy.ndarray
+        ``(B, Hq, Sq)``, float32, natural log; -inf for rows that see no key.
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        On every rank, when any rank's input is invalid or ranks disagree on
+        shapes, dtype, scale or strategy.
+
+    Examples
+    --------
+    >>> out = mpitree.tree_decode(q, k_shard, v_shard)  # doctest: +SKIP
+    """
+    comm = default_comm() if comm is None else comm
+    check_comm(comm)
+    error = shapes = None
+    try:
+        check_strategy(strategy)
+        shapes = check_shapes(q, k, v)
+        check_masking(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
+        scale = resolve_scale(scale, shapes.head_dim)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    agree(comm, error, shapes, strategy, scale)
+    plan = DecodePlan._agreed(comm, shapes, scale, strategy)
+    with plan:
+        return plan.decode(q, k, v, kv_len=kv_len, q_pos=q_pos, k_pos=k_pos, mask=mask,
+                           return_lse=return_lse)
+
+
+def allreduce_state(state, comm=None, strategy="auto", *, check=True):
+    """Merge a :class:`State` across ranks; every rank gets the merged state.
+
+    Parameters
+    ----------
+    state : State
+        ``(..., D + 2)`` records, the same row shape and dtype on every rank.
+    comm : mpi4py.MPI.Intracomm, optional
+        Default: mpitree's private duplicate of ``COMM_WORLD``.
+    strategy : {"auto", "allreduce", "allreduce3", "allgather"}, optional
+        ``"ring"`` needs K/V and is only available through :func:`tree_decode`.
+    check : bool, optional
+        Check cross-rank agreement on shape, dtype and strategy first (one small
+        extra collective). Pass False in a loop once the shapes are known good.
+
+    Returns
+    -------
+    State
+        A new state with the same row shape and dtype.
+    """
+    comm = default_comm() if comm is None else comm
+    check_comm(comm)
+    error = shapes = None
+    try:
+        if not isinstance(state, State):
+            raise TypeError(f"state must be an mpitree.State, got {type(state).__name__}")
+        check_strategy(strategy)
+        if strategy == "ring":
+            raise ValueError("strategy 'ring' moves K/V; use tree_decode for it")
+        rows = int(np.prod(state.shape))
+        shapes = Shapes(rows, 1, 1, 1, state.head_dim, state.records.dtype)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    if check:
+        agree(comm, error, shapes, strategy)
+    elif error is not None:
+        raise error
+    reducer = Reducer(comm, shapes.rows, shapes.head_dim, shapes.dtype,
+                      resolve_strategy(strategy))
+    reducer.records[...] = state.records.reshape(shapes.rows, -1)
+    bad = reducer.run()
+    if bad is not None:
+        raise _invalid_elsewhere(bad)
+    return State(reducer.records.reshape(state.records.shape).copy())

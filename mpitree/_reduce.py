@@ -1,0 +1,92 @@
+"""Cross-rank merge of a record buffer: allreduce (native op), allreduce3, allgather."""
+
+import numpy as np
+from mpi4py import MPI
+
+from ._op import native_op_available, record_op
+from ._records import merge_records
+
+
+def resolve_strategy(strategy):
+    """Map ``"auto"`` to a concrete strategy (see README, "Choosing a strategy")."""
+    if strategy != "auto":
+        return strategy
+    return "allreduce" if native_op_available() else "allreduce3"
+
+
+class Reducer:
+    """Owns a ``(rows + 1, D + 2)`` record buffer and merges it across ``comm`` in place.
+
+    The extra last row is an error flag: ``m = rank + 1`` on a rank whose input
+    was invalid, ``-inf`` otherwise. It rides along with the reduction, so every
+    rank learns of a failure without a second collective.
+    """
+
+    def __init__(self, comm, rows, dim, dtype, strategy, persistent=False):
+        self.comm = comm
+        self.strategy = strategy
+        self.buf = np.zeros((rows + 1, dim + 2), dtype=dtype)
+        self.records = self.buf[:rows]
+        self._request = None
+        size = comm.Get_size()
+        if size == 1:
+            return
+        if strategy == "allreduce":
+            rec, self._op = record_op(dtype, dim)
+            self._spec = [self.buf, rows + 1, rec]
+            if persistent:
+                try:
+                    self._request = comm.Allreduce_init(MPI.IN_PLACE, self._spec, self._op)
+                except (NotImplementedError, MPI.Exception):
+                    self._request = None
+        elif strategy == "allgather":
+            self._gathered = np.empty((size, *self.buf.shape), dtype=dtype)
+        elif strategy != "allreduce3":
+            raise ValueError(f"Reducer cannot run strategy {strategy!r}")
+
+    def run(self, failed=False):
+        """Merge the buffer across ranks; return the lowest failing rank, or None."""
+        flag = self.buf[-1]
+        flag[:] = 0
+        flag[0] = self.comm.Get_rank() + 1 if failed else -np.inf
+        if failed:
+            self.records[:, 0] = -np.inf
+            self.records[:, 1:] = 0
+        if self.comm.Get_size() > 1:
+            getattr(self, "_" + self.strategy)()
+        bad = flag[0]
+        return None if np.isneginf(bad) else int(bad) - 1
+
+    def _allreduce(self):
+        """One MPI_Allreduce of records with the (m, d, n) user op."""
+        if self._request is not None:
+            self._request.Start()
+            self._request.Wait()
+        else:
+            self.comm.Allreduce(MPI.IN_PLACE, self._spec, self._op)
+
+    def _allreduce3(self):
+        """The paper's Algorithm 3: Allreduce(MAX) of m, then Allreduce(SUM) of d and of n."""
+        buf = self.buf
+        m_local = buf[:, 0].copy()
+        m = m_local.copy()
+        self.comm.Allreduce(MPI.IN_PLACE, m, op=MPI.MAX)
+        w = np.exp(m_local - np.where(np.isneginf(m), 0, m))
+        d = buf[:, 1] * w
+        n = buf[:, 2:] * w[:, None]
+        self.comm.Allreduce(MPI.IN_PLACE, d, op=MPI.SUM)
+        self.comm.Allreduce(MPI.IN_PLACE, n, op=MPI.SUM)
+        buf[:, 0] = m
+        buf[:, 1] = d
+        buf[:, 2:] = n
+
+    def _allgather(self):
+        """Gather every rank's records and merge them locally in rank order."""
+        self.comm.Allgather(self.buf, self._gathered)
+        self.buf[...] = merge_records(self._gathered, axis=0)
+
+    def free(self):
+        """Release the persistent request, if any."""
+        if self._request is not None:
+            self._request.Free()
+            self._request = None

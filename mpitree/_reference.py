@@ -1,0 +1,32 @@
+"""Single-process float64 reference attention: naive, independent of the kernels."""
+
+import numpy as np
+
+
+def reference_attention(q, k, v, *, scale=None, visible=None):
+    """Attention of q over the full K/V in float64, one query head at a time.
+
+    q: (B, Hq, Sq, D); k, v: (B, Hkv, N, D); visible: None or bool broadcastable
+    to (B, Hq, Sq, N). Returns out (B, Hq, Sq, D) float64 (0 for rows that see no
+    key) and lse (B, Hq, Sq) float64 natural log (-inf for those rows).
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    b, hq, sq, dim = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    scale = 1.0 / np.sqrt(dim) if scale is None else float(scale)
+    if visible is None:
+        visible = np.ones((1, 1, 1, n), dtype=bool)
+    visible = np.broadcast_to(visible, (b, hq, sq, n))
+    out = np.zeros((b, hq, sq, dim))
+    lse = np.full((b, hq, sq), -np.inf)
+    for h in range(hq):
+        kh, vh = k[:, h // (hq // hkv)], v[:, h // (hq // hkv)]
+        s = np.einsum("bqd,bnd->bqn", q[:, h], kh) * scale
+        s = np.where(visible[:, h], s, -np.inf)
+        m = s.max(axis=-1, initial=-np.inf)
+        seen = np.isfinite(m)
+        p = np.exp(s - np.where(seen, m, 0)[..., None])
+        den = p.sum(axis=-1)
+        out[:, h] = np.where(seen[..., None], (p @ vh) / np.where(seen, den, 1)[..., None], 0)
+        lse[:, h] = np.where(seen, m + np.log(np.where(seen, den, 1)), -np.inf)
+    return out, lse
