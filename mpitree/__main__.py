@@ -12,8 +12,12 @@ def main(argv=None):
 
     demo = sub.add_parser("demo", help="check and time every strategy on a synthetic context")
     _demo.add_arguments(demo)
-    demo.add_argument("--tolerance", type=float, default=None,
-                      help="exit 1 if any strategy's max error exceeds this")
+    demo.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="exit 1 if any strategy's max error exceeds this",
+    )
     args = parser.parse_args(argv)
     err = _demo.run(args)
     if args.tolerance is not None and err is not None and err > args.tolerance:

@@ -22,7 +22,7 @@ def shard_sizes(tokens, p):
 
 
 def make_shard(args, rank, size):
-    """This rank's K/V shard, reproducible from (seed, rank)."""
+    """Return the K/V shard of ``rank``, reproducible from (seed, rank)."""
     rng = np.random.default_rng([args.seed, 1, rank])
     shape = (args.batch, args.kv_heads, int(size), args.head_dim)
     k = rng.standard_normal(shape, dtype=np.float32).astype(args.dtype)
@@ -56,28 +56,45 @@ def run(args):
     comm = default_comm()
     p, rank = comm.Get_size(), comm.Get_rank()
     sizes = shard_sizes(args.tokens, p)
-    q = np.random.default_rng([args.seed, 0]).standard_normal(
-        (args.batch, args.q_heads, args.q_len, args.head_dim), dtype=np.float32
-    ).astype(args.dtype)
+    q = (
+        np.random.default_rng([args.seed, 0])
+        .standard_normal((args.batch, args.q_heads, args.q_len, args.head_dim), dtype=np.float32)
+        .astype(args.dtype)
+    )
     k, v = make_shard(args, rank, sizes[rank])
     if rank == 0:
-        print(f"mpitree demo: {p} ranks, N={args.tokens} tokens (shards {sizes.tolist()}), "
-              f"B={args.batch} Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} "
-              f"Sq={args.q_len} {args.dtype}; native op: {native_op_available()}; "
-              f"{MPI.Get_library_version().splitlines()[0].strip()}", flush=True)
+        print(
+            f"mpitree demo: {p} ranks, N={args.tokens} tokens (shards {sizes.tolist()}), "
+            f"B={args.batch} Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} "
+            f"Sq={args.q_len} {args.dtype}; native op: {native_op_available()}; "
+            f"{MPI.Get_library_version().splitlines()[0].strip()}",
+            flush=True,
+        )
 
-    plans = {s: DecodePlan(args.batch, args.q_heads, args.kv_heads, args.head_dim,
-                           q_len=args.q_len, dtype=args.dtype, comm=comm, strategy=s)
-             for s in STRATEGY_ORDER}
+    plans = {
+        s: DecodePlan(
+            args.batch,
+            args.q_heads,
+            args.kv_heads,
+            args.head_dim,
+            q_len=args.q_len,
+            dtype=args.dtype,
+            comm=comm,
+            strategy=s,
+        )
+        for s in STRATEGY_ORDER
+    }
     outputs = {s: plan.decode(q, k, v) for s, plan in plans.items()}
 
     ref_err = None
     if rank == 0:
         shards = [make_shard(args, r, sizes[r]) for r in range(p)]
-        ref, _ = reference_attention(q, np.concatenate([s[0] for s in shards], axis=2),
-                                     np.concatenate([s[1] for s in shards], axis=2))
-        ref_err = {s: float(np.abs(o.astype(np.float64) - ref).max())
-                   for s, o in outputs.items()}
+        ref, _ = reference_attention(
+            q,
+            np.concatenate([s[0] for s in shards], axis=2),
+            np.concatenate([s[1] for s in shards], axis=2),
+        )
+        ref_err = {s: float(np.abs(o.astype(np.float64) - ref).max()) for s, o in outputs.items()}
         del shards
 
     names = ("local only", *STRATEGY_ORDER)
@@ -99,15 +116,21 @@ def run(args):
     if rank == 0:
         med = np.median(slow, axis=1) * 1e3
         lo, hi = (np.percentile(slow, q_, axis=1) * 1e3 for q_ in (10, 90))
-        print(f"\n{'strategy':<12} {'max |err| vs f64':>17} {'median ms':>10} "
-              f"{'p10-p90 ms':>14} {'over local':>11} {'vs ring':>8}")
+        print(
+            f"\n{'strategy':<12} {'max |err| vs f64':>17} {'median ms':>10} "
+            f"{'p10-p90 ms':>14} {'over local':>11} {'vs ring':>8}"
+        )
         ring = med[names.index("ring")]
         for i, name in enumerate(names):
             err = "-" if i == 0 else f"{ref_err[name]:.2e}"
             over = "-" if i == 0 else f"{med[i] - med[0]:+.2f} ms"
-            print(f"{name:<12} {err:>17} {med[i]:>10.2f} {lo[i]:>6.2f}-{hi[i]:<7.2f} "
-                  f"{over:>11} {ring / med[i]:>7.2f}x")
-        print(f"\nslowest rank's time per step, median of {args.steps} interleaved steps "
-              f"after {args.warmup} warm-up steps")
+            print(
+                f"{name:<12} {err:>17} {med[i]:>10.2f} {lo[i]:>6.2f}-{hi[i]:<7.2f} "
+                f"{over:>11} {ring / med[i]:>7.2f}x"
+            )
+        print(
+            f"\nslowest rank's time per step, median of {args.steps} interleaved steps "
+            f"after {args.warmup} warm-up steps"
+        )
         return max(ref_err.values())
     return None

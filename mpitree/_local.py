@@ -90,7 +90,8 @@ def local_state(q, k, v, *, scale=None, kv_len=None, q_pos=None, k_pos=None, mas
     t = k.shape[2]
     check_masking(shapes, t, kv_len, q_pos, k_pos, mask)
     scale = resolve_scale(scale, shapes.head_dim)
-    out = np.empty((shapes.batch, shapes.q_heads, shapes.q_len, shapes.head_dim + 2),
-                   dtype=shapes.acc_dtype)
+    out = np.empty(
+        (shapes.batch, shapes.q_heads, shapes.q_len, shapes.head_dim + 2), dtype=shapes.acc_dtype
+    )
     attend(q, k, v, scale, visibility(shapes, t, kv_len, q_pos, k_pos, mask), out)
     return State(out)

@@ -45,7 +45,11 @@ def _native_lib():
             lib.mpitree_nslots.restype = ctypes.c_int
             lib.mpitree_combine.restype = None
             lib.mpitree_combine.argtypes = [
-                ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_int,
+                ctypes.c_int,
             ]
         except (OSError, AttributeError) as exc:
             _load_error = f"could not load {path}: {exc}"

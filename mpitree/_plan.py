@@ -19,7 +19,7 @@ from ._validate import (
 
 
 def _invalid_elsewhere(rank):
-    """The error raised on ranks whose own input was fine."""
+    """Return the error raised on ranks whose own input was fine."""
     return ValueError(f"mpitree: invalid input on rank {rank} (see that rank's error)")
 
 
@@ -49,8 +49,19 @@ class DecodePlan:
         ``"auto"`` (default), ``"allreduce"``, ``"allreduce3"``, ``"allgather"`` or ``"ring"``.
     """
 
-    def __init__(self, batch, q_heads, kv_heads, head_dim, *, q_len=1, dtype=np.float32,
-                 comm=None, scale=None, strategy="auto"):
+    def __init__(
+        self,
+        batch,
+        q_heads,
+        kv_heads,
+        head_dim,
+        *,
+        q_len=1,
+        dtype=np.float32,
+        comm=None,
+        scale=None,
+        strategy="auto",
+    ):
         comm = default_comm() if comm is None else comm
         check_comm(comm)
         error = shapes = None
@@ -84,12 +95,12 @@ class DecodePlan:
             self._reducer = None
             self._records = np.empty((rows, shapes.head_dim + 2), dtype=shapes.acc_dtype)
         else:
-            self._reducer = Reducer(comm, rows, shapes.head_dim, shapes.acc_dtype,
-                                    self.strategy, persistent=persistent)
+            self._reducer = Reducer(
+                comm, rows, shapes.head_dim, shapes.acc_dtype, self.strategy, persistent=persistent
+            )
             self._records = self._reducer.records
 
-    def decode(self, q, k, v, *, kv_len=None, q_pos=None, k_pos=None, mask=None,
-               return_lse=False):
+    def decode(self, q, k, v, *, kv_len=None, q_pos=None, k_pos=None, mask=None, return_lse=False):
         """Run one decode step; collective over the plan's communicator.
 
         Parameters
@@ -148,12 +159,25 @@ class DecodePlan:
         self.free()
 
     def __repr__(self):
-        return (f"DecodePlan({self.shapes}, strategy={self.strategy!r}, "
-                f"ranks={self.comm.Get_size()})")
+        return (
+            f"DecodePlan({self.shapes}, strategy={self.strategy!r}, ranks={self.comm.Get_size()})"
+        )
 
 
-def tree_decode(q, k, v, comm=None, *, scale=None, kv_len=None, q_pos=None, k_pos=None,
-                mask=None, strategy="auto", return_lse=False):
+def tree_decode(
+    q,
+    k,
+    v,
+    comm=None,
+    *,
+    scale=None,
+    kv_len=None,
+    q_pos=None,
+    k_pos=None,
+    mask=None,
+    strategy="auto",
+    return_lse=False,
+):
     """Exact attention of replicated queries over a KV cache sharded along the sequence.
 
     Collective over ``comm``: every rank passes the same ``q`` and its own shard of
@@ -222,8 +246,9 @@ def tree_decode(q, k, v, comm=None, *, scale=None, kv_len=None, q_pos=None, k_po
     agree(comm, error, shapes, strategy, scale)
     plan = DecodePlan._agreed(comm, shapes, scale, strategy)
     with plan:
-        return plan.decode(q, k, v, kv_len=kv_len, q_pos=q_pos, k_pos=k_pos, mask=mask,
-                           return_lse=return_lse)
+        return plan.decode(
+            q, k, v, kv_len=kv_len, q_pos=q_pos, k_pos=k_pos, mask=mask, return_lse=return_lse
+        )
 
 
 def allreduce_state(state, comm=None, strategy="auto", *, check=True):
@@ -263,8 +288,7 @@ def allreduce_state(state, comm=None, strategy="auto", *, check=True):
         agree(comm, error, shapes, strategy)
     elif error is not None:
         raise error
-    reducer = Reducer(comm, shapes.rows, shapes.head_dim, shapes.dtype,
-                      resolve_strategy(strategy))
+    reducer = Reducer(comm, shapes.rows, shapes.head_dim, shapes.dtype, resolve_strategy(strategy))
     reducer.records[...] = state.records.reshape(shapes.rows, -1)
     bad = reducer.run()
     if bad is not None:

@@ -66,7 +66,7 @@ class Reducer:
             self.comm.Allreduce(MPI.IN_PLACE, self._spec, self._op)
 
     def _allreduce3(self):
-        """The paper's Algorithm 3: Allreduce(MAX) of m, then Allreduce(SUM) of d and of n."""
+        """Run the paper's Algorithm 3: Allreduce(MAX) of m, then Allreduce(SUM) of d and n."""
         buf = self.buf
         m_local = buf[:, 0].copy()
         m = m_local.copy()

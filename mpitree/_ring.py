@@ -33,9 +33,12 @@ def ring_reduce(comm, q, k, v, scale, vis, records, failed):
         nk = np.empty((b, hkv, ts, dim), dtype=k.dtype)
         nv = np.empty_like(nk)
         nvis = np.empty((b, vheads, sq, ts), dtype=bool) if vheads else None
-        reqs = [comm.Irecv([nk, MPI.BYTE], left, 1), comm.Irecv([nv, MPI.BYTE], left, 2),
-                comm.Isend([block[0], MPI.BYTE], right, 1),
-                comm.Isend([block[1], MPI.BYTE], right, 2)]
+        reqs = [
+            comm.Irecv([nk, MPI.BYTE], left, 1),
+            comm.Irecv([nv, MPI.BYTE], left, 2),
+            comm.Isend([block[0], MPI.BYTE], right, 1),
+            comm.Isend([block[1], MPI.BYTE], right, 2),
+        ]
         if nvis is not None:
             reqs.append(comm.Irecv([nvis, MPI.BYTE], left, 3))
         if block[2] is not None:

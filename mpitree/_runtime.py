@@ -58,8 +58,12 @@ def set_blas_threads(n):
 
 # Launchers export how many ranks share this node: Hydra (MPICH), Open MPI's prte,
 # Slurm's srun (e.g. "4(x2)" or "4,3"), Intel MPI / PMI.
-_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                    "SLURM_STEP_TASKS_PER_NODE", "PMI_LOCAL_SIZE")
+_LOCAL_SIZE_VARS = (
+    "MPI_LOCALNRANKS",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "SLURM_STEP_TASKS_PER_NODE",
+    "PMI_LOCAL_SIZE",
+)
 
 
 def ranks_on_node():

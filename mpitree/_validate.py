@@ -122,8 +122,17 @@ def check_comm(comm):
         raise TypeError(f"comm must be an mpi4py intracommunicator, got {comm!r}")
 
 
-_FIELDS = ("batch", "q_heads", "kv_heads", "q_len", "head_dim", "dtype", "strategy",
-           "scale", "positions")
+_FIELDS = (
+    "batch",
+    "q_heads",
+    "kv_heads",
+    "q_len",
+    "head_dim",
+    "dtype",
+    "strategy",
+    "scale",
+    "positions",
+)
 
 
 def agree(comm, error, shapes=None, strategy="auto", scale=0.0, positions=False):
@@ -136,9 +145,17 @@ def agree(comm, error, shapes=None, strategy="auto", scale=0.0, positions=False)
     if shapes is None:
         sig = [0] * len(_FIELDS)
     else:
-        sig = [shapes.batch, shapes.q_heads, shapes.kv_heads, shapes.q_len, shapes.head_dim,
-               _FLOATS.index(shapes.dtype), STRATEGIES.index(strategy),
-               int(np.float64(scale).view(np.int64)), int(positions)]
+        sig = [
+            shapes.batch,
+            shapes.q_heads,
+            shapes.kv_heads,
+            shapes.q_len,
+            shapes.head_dim,
+            _FLOATS.index(shapes.dtype),
+            STRATEGIES.index(strategy),
+            int(np.float64(scale).view(np.int64)),
+            int(positions),
+        ]
     bad = comm.Get_rank() if error is not None else size
     buf = np.array([bad, *sig, *(-s for s in sig)], dtype=np.int64)
     if size > 1:
@@ -148,7 +165,7 @@ def agree(comm, error, shapes=None, strategy="auto", scale=0.0, positions=False)
     if buf[0] < size:
         raise ValueError(f"mpitree: invalid input on rank {buf[0]} (see that rank's error)")
     n = len(_FIELDS)
-    lo, hi = buf[1:1 + n], -buf[1 + n:]
+    lo, hi = buf[1 : 1 + n], -buf[1 + n :]
     differ = [f for f, a, b in zip(_FIELDS, lo, hi) if a != b]
     if differ:
         raise ValueError(f"mpitree: ranks disagree on {', '.join(differ)}; they must match")
