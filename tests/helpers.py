@@ -1,0 +1,95 @@
+"""Shared test helpers: reproducible sharded problems and dtype tolerances."""
+
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from mpitree._reference import reference_attention
+
+# atol against the float64 reference on the same (rounded) inputs; outputs are O(1).
+ATOL = {np.float16: 2e-3, np.float32: 2e-5, np.float64: 1e-12}
+
+
+def atol(dtype):
+    return ATOL[np.dtype(dtype).type]
+
+
+@dataclass
+class Problem:
+    """A global decode problem, and how it is split into per-rank shards."""
+
+    q: np.ndarray  # (B, Hq, Sq, D)
+    k: np.ndarray  # (B, Hkv, N, D)
+    v: np.ndarray
+    sizes: list  # shard length per rank; sum == N
+    kv_len: list  # per rank: None or int (B,)
+    q_pos: np.ndarray  # None or (B, Sq)
+    k_pos: np.ndarray  # None or (B, N)
+    mask: np.ndarray  # None or bool (B, 1|Hq, Sq, N)
+    scale: float = None
+
+    def shard(self, rank):
+        lo = sum(self.sizes[:rank])
+        hi = lo + self.sizes[rank]
+        kw = {"kv_len": self.kv_len[rank]}
+        if self.q_pos is not None:
+            kw["q_pos"] = self.q_pos
+            kw["k_pos"] = np.ascontiguousarray(self.k_pos[:, lo:hi])
+        if self.mask is not None:
+            kw["mask"] = np.ascontiguousarray(self.mask[..., lo:hi])
+        k = np.ascontiguousarray(self.k[:, :, lo:hi])
+        v = np.ascontiguousarray(self.v[:, :, lo:hi])
+        return k, v, kw
+
+    def visible(self):
+        b, _, n, _ = self.k.shape
+        vis = np.ones((b, 1, 1, n), dtype=bool)
+        lo = 0
+        for size, kl in zip(self.sizes, self.kv_len):
+            if kl is not None:
+                vis[:, 0, 0, lo:lo + size] &= np.arange(size) < kl[:, None]
+            lo += size
+        if self.q_pos is not None:
+            vis = vis & (self.k_pos[:, None, None, :] <= self.q_pos[:, None, :, None])
+        if self.mask is not None:
+            vis = vis & self.mask
+        return vis
+
+    def reference(self):
+        return reference_attention(self.q, self.k, self.v, scale=self.scale,
+                                   visible=self.visible())
+
+
+def make_problem(seed, sizes, *, batch=2, q_heads=4, kv_heads=2, q_len=1, head_dim=16,
+                 dtype=np.float32, kv_len=False, positions=False, mask=None, logit=1.0,
+                 scale=None):
+    """Build a reproducible problem; identical on every rank for the same arguments."""
+    rng = np.random.default_rng(seed)
+    n = sum(sizes)
+    q = (rng.standard_normal((batch, q_heads, q_len, head_dim)) * logit).astype(dtype)
+    k = rng.standard_normal((batch, kv_heads, n, head_dim)).astype(dtype)
+    v = rng.standard_normal((batch, kv_heads, n, head_dim)).astype(dtype)
+    lens = [rng.integers(0, s + 1, size=batch) if kv_len else None for s in sizes]
+    q_pos = k_pos = None
+    if positions:
+        k_pos = np.tile(np.arange(n), (batch, 1))
+        # the queries are the last q_len tokens of a sequence whose length varies by row
+        ends = rng.integers(max(n - 3, q_len), n + 1, size=batch)
+        q_pos = ends[:, None] - q_len + np.arange(q_len)
+    m = None
+    if mask is not None:
+        heads = q_heads if mask == "head" else 1
+        m = rng.random((batch, heads, q_len, n)) < 0.7
+        m[0, 0, 0, :] = False  # one row sees nothing anywhere
+    return Problem(q, k, v, list(sizes), lens, q_pos, k_pos, m, scale)
+
+
+def gathered_identical(comm, x):
+    """Return True on every rank iff ``x`` is bitwise identical on all ranks."""
+    parts = comm.allgather(np.ascontiguousarray(x).tobytes())
+    return all(p == parts[0] for p in parts)
+
+
+def world():
+    return MPI.COMM_WORLD

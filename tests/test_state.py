@@ -1,0 +1,131 @@
+"""State, combine and the native C combine: identity, commutativity, associativity, -inf."""
+
+import ctypes
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numpy.testing import assert_allclose
+
+import mpitree
+from mpitree import State, combine, local_state
+from mpitree._op import _native_lib
+from mpitree._reference import reference_attention
+
+
+def random_state(rng, shape, dim, dtype=np.float32, empty_frac=0.2, big=False):
+    rec = np.empty((*shape, dim + 2), dtype=dtype)
+    rec[..., 0] = rng.standard_normal(shape) * (1e4 if big else 3)
+    rec[..., 1] = rng.random(shape) * 5 + 0.1
+    rec[..., 2:] = rng.standard_normal((*shape, dim))
+    empty = rng.random(shape) < empty_frac
+    rec[empty, 0] = -np.inf
+    rec[empty, 1:] = 0
+    return State(rec)
+
+
+def output_and_lse(s):
+    return s.output().astype(np.float64), s.lse().astype(np.float64)
+
+
+seeds = st.integers(0, 2**32 - 1)
+dims = st.sampled_from([1, 3, 8, 64, 130])
+dtypes = st.sampled_from([np.float32, np.float64])
+
+
+@settings(max_examples=60, deadline=None)
+@given(seeds, dims, dtypes, st.booleans())
+def test_empty_is_identity(seed, dim, dtype, big):
+    a = random_state(np.random.default_rng(seed), (5,), dim, dtype, big=big)
+    e = State.empty((5,), dim, dtype)
+    assert np.array_equal(combine(a, e).records, a.records)
+    assert np.array_equal(combine(e, a).records, a.records)
+    ee = combine(e, e)
+    assert np.all(np.isneginf(ee.m)) and not np.isnan(ee.records).any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seeds, dims, dtypes, st.booleans())
+def test_commutative_bitwise(seed, dim, dtype, big):
+    rng = np.random.default_rng(seed)
+    a, b = (random_state(rng, (7,), dim, dtype, big=big) for _ in range(2))
+    assert np.array_equal(combine(a, b).records, combine(b, a).records)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seeds, dims, dtypes, st.booleans())
+def test_associative_within_rounding(seed, dim, dtype, big):
+    rng = np.random.default_rng(seed)
+    a, b, c = (random_state(rng, (7,), dim, dtype, big=big) for _ in range(3))
+    left, right = combine(combine(a, b), c), combine(a, combine(b, c))
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    lo, ll = output_and_lse(left)
+    ro, rl = output_and_lse(right)
+    assert_allclose(lo, ro, atol=tol * 10, rtol=tol)
+    assert_allclose(rl, ll, rtol=tol, atol=tol)
+    assert not np.isnan(left.records).any()
+
+
+def test_combine_equals_attention_over_the_union():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 4, 3, 8))
+    k = rng.standard_normal((2, 2, 20, 8))
+    v = rng.standard_normal((2, 2, 20, 8))
+    merged = combine(local_state(q, k[:, :, :7], v[:, :, :7]), local_state(q, k[:, :, 7:], v[:, :, 7:]))
+    ref, ref_lse = reference_attention(q, k, v)
+    assert_allclose(merged.output(), ref, atol=1e-12)
+    assert_allclose(merged.lse(), ref_lse, rtol=1e-6)
+
+
+@pytest.mark.parametrize("base", ["e", 2])
+def test_from_lse_roundtrip(base):
+    rng = np.random.default_rng(1)
+    s = random_state(rng, (3, 4), 8, np.float64)
+    back = State.from_lse(s.output(), s.lse(base=base), base=base)
+    assert_allclose(back.output(), s.output(), atol=1e-12)
+    assert_allclose(back.lse(), s.lse(), rtol=1e-6)
+    assert np.array_equal(np.isneginf(back.m), np.isneginf(s.m))
+    if base == 2:
+        assert_allclose(s.lse(base=2), s.lse() / np.log(2), rtol=1e-6)
+
+
+def test_from_lse_validates():
+    with pytest.raises(ValueError, match="lse shape"):
+        State.from_lse(np.zeros((2, 3, 4)), np.zeros((2, 4)))
+    with pytest.raises(ValueError, match="base"):
+        State.from_lse(np.zeros((2, 4)), np.zeros(2), base=10)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        State(np.zeros((2, 5), dtype=np.int32))
+    with pytest.raises(ValueError, match="head dims differ"):
+        combine(State.empty((2,), 4), State.empty((2,), 5))
+
+
+def native_combine(a, b):
+    lib = _native_lib()
+    io = np.array(b.records, copy=True, order="C")
+    src = np.ascontiguousarray(a.records)
+    lib.mpitree_combine(src.dtype.itemsize * 8, src.ctypes.data_as(ctypes.c_void_p),
+                        io.ctypes.data_as(ctypes.c_void_p), int(np.prod(src.shape[:-1])),
+                        a.head_dim)
+    return State(io)
+
+
+@pytest.mark.skipif(not mpitree.native_op_available(), reason="native op not built")
+@settings(max_examples=80, deadline=None)
+@given(seeds, dims, dtypes, st.booleans())
+def test_native_combine_matches_numpy(seed, dim, dtype, big):
+    rng = np.random.default_rng(seed)
+    a, b = (random_state(rng, (9,), dim, dtype, empty_frac=0.3, big=big) for _ in range(2))
+    native, ref = native_combine(a, b), combine(a, b)
+    tol = 2e-6 if dtype == np.float32 else 1e-14
+    assert_allclose(native.records, ref.records, rtol=tol, atol=tol)
+    assert np.array_equal(native.records, native_combine(b, a).records)
+    assert not np.isnan(native.records).any()
+
+
+def test_native_op_is_built():
+    """The package build must produce the native op (CI installs with a compiler)."""
+    from mpitree._op import native_load_error
+
+    assert mpitree.native_op_available(), native_load_error()
