@@ -48,7 +48,7 @@ class Problem:
         lo = 0
         for size, kl in zip(self.sizes, self.kv_len):
             if kl is not None:
-                vis[:, 0, 0, lo:lo + size] &= np.arange(size) < kl[:, None]
+                vis[:, 0, 0, lo : lo + size] &= np.arange(size) < kl[:, None]
             lo += size
         if self.q_pos is not None:
             vis = vis & (self.k_pos[:, None, None, :] <= self.q_pos[:, None, :, None])
@@ -57,13 +57,25 @@ class Problem:
         return vis
 
     def reference(self):
-        return reference_attention(self.q, self.k, self.v, scale=self.scale,
-                                   visible=self.visible())
+        return reference_attention(self.q, self.k, self.v, scale=self.scale, visible=self.visible())
 
 
-def make_problem(seed, sizes, *, batch=2, q_heads=4, kv_heads=2, q_len=1, head_dim=16,
-                 dtype=np.float32, kv_len=False, positions=False, mask=None, logit=1.0,
-                 scale=None):
+def make_problem(
+    seed,
+    sizes,
+    *,
+    batch=2,
+    q_heads=4,
+    kv_heads=2,
+    q_len=1,
+    head_dim=16,
+    dtype=np.float32,
+    kv_len=False,
+    positions=False,
+    mask=None,
+    logit=1.0,
+    scale=None,
+):
     """Build a reproducible problem; identical on every rank for the same arguments."""
     rng = np.random.default_rng(seed)
     n = sum(sizes)

@@ -42,8 +42,9 @@ def run_case(strategy, sizes, seed=0, **kw):
     comm = world()
     prob = make_problem(seed, sizes, **kw)
     k, v, extra = prob.shard(comm.rank)
-    out, lse = mpitree.tree_decode(prob.q, k, v, scale=prob.scale, strategy=strategy,
-                                   return_lse=True, **extra)
+    out, lse = mpitree.tree_decode(
+        prob.q, k, v, scale=prob.scale, strategy=strategy, return_lse=True, **extra
+    )
     same = gathered_identical(comm, out) and gathered_identical(comm, lse)
     ref_out, ref_lse = prob.reference()
     return prob, out, lse, ref_out, ref_lse, same
@@ -83,7 +84,7 @@ def test_empty_shards(strategy, layout):
 def test_no_keys_anywhere(strategy):
     """Every shard empty: output 0, lse -inf, never NaN."""
     p = world().size
-    prob, out, lse, *_ = run_case(strategy, [0] * p)
+    _prob, out, lse, *_ = run_case(strategy, [0] * p)
     assert np.all(out == 0) and np.all(np.isneginf(lse))
 
 
@@ -93,7 +94,8 @@ def test_huge_logits_float64_exact(strategy):
     """Logits around 1e4 in magnitude: exact in float64, finite everywhere."""
     sizes = shard_sizes("uneven", world().size)
     prob, out, lse, ref_out, ref_lse, same = run_case(
-        strategy, sizes, dtype=np.float64, logit=5000.0, head_dim=16)
+        strategy, sizes, dtype=np.float64, logit=5000.0, head_dim=16
+    )
     assert np.abs(ref_lse).max() > 5e3
     check(prob, out, lse, ref_out, ref_lse, same)
 
@@ -102,7 +104,7 @@ def test_huge_logits_float64_exact(strategy):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_huge_logits_float32_finite(strategy):
     sizes = shard_sizes("uneven", world().size)
-    prob, out, lse, ref_out, ref_lse, same = run_case(strategy, sizes, logit=2500.0)
+    _prob, out, lse, ref_out, _ref_lse, same = run_case(strategy, sizes, logit=2500.0)
     assert np.isfinite(out).all() and np.isfinite(lse).all()
     # fp32 logits of size 1e4 carry absolute rounding error ~1e-3 (relative 2^-24 * |s| * sqrt(D))
     assert_allclose(out, ref_out, atol=5e-2, rtol=0)
@@ -112,8 +114,9 @@ def test_huge_logits_float32_finite(strategy):
 @pytest.mark.parallel(nprocs=NPROCS)
 def test_strategies_agree_with_each_other():
     comm = world()
-    prob = make_problem(11, shard_sizes("uneven", comm.size), batch=2, q_len=3,
-                        positions=True, mask="shared")
+    prob = make_problem(
+        11, shard_sizes("uneven", comm.size), batch=2, q_len=3, positions=True, mask="shared"
+    )
     k, v, kw = prob.shard(comm.rank)
     outs = [mpitree.tree_decode(prob.q, k, v, strategy=s, **kw) for s in STRATEGIES]
     for o in outs[1:]:

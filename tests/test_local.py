@@ -9,12 +9,15 @@ from mpitree import local_state
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
-@pytest.mark.parametrize("kw", [
-    dict(q_heads=8, kv_heads=2),
-    dict(q_heads=3, kv_heads=1, q_len=4, positions=True),
-    dict(batch=3, kv_len=True, mask="head", q_len=2),
-    dict(mask="shared", scale=2.5),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(q_heads=8, kv_heads=2),
+        dict(q_heads=3, kv_heads=1, q_len=4, positions=True),
+        dict(batch=3, kv_len=True, mask="head", q_len=2),
+        dict(mask="shared", scale=2.5),
+    ],
+)
 def test_local_state_matches_reference(dtype, kw):
     prob = make_problem(2, [29], dtype=dtype, **kw)
     k, v, extra = prob.shard(0)
@@ -59,26 +62,33 @@ Q = np.zeros((2, 4, 1, 8), np.float32)
 KV = np.zeros((2, 2, 5, 8), np.float32)
 
 
-@pytest.mark.parametrize("args, kw, exc, match", [
-    ((Q[0], KV, KV), {}, ValueError, "q must have 4 dimensions"),
-    ((Q, KV[..., ::2], KV[..., ::2]), {}, ValueError, "contiguous in its last dimension"),
-    ((Q.tolist(), KV, KV), {}, TypeError, "numpy.ndarray"),
-    ((Q.astype(np.int32), KV, KV), {}, TypeError, "float16, float32 or float64"),
-    ((Q, KV.astype(np.float64), KV), {}, TypeError, "dtypes differ"),
-    ((Q, KV, KV[:, :, :3]), {}, ValueError, "k and v shapes differ"),
-    ((Q, KV[:1], KV[:1]), {}, ValueError, "batch or D"),
-    ((np.zeros((2, 3, 1, 8), np.float32), KV, KV), {}, ValueError, "multiple of kv heads"),
-    ((Q, KV, KV), dict(kv_len=np.array([1, 6])), ValueError, "kv_len must lie in"),
-    ((Q, KV, KV), dict(kv_len=np.array([1.0, 2.0])), TypeError, "integer"),
-    ((Q, KV, KV), dict(kv_len=np.array([1])), ValueError, "shape"),
-    ((Q, KV, KV), dict(q_pos=np.zeros((2, 1), int)), ValueError, "together"),
-    ((Q, KV, KV), dict(q_pos=np.zeros((2, 2), int), k_pos=np.zeros((2, 5), int)),
-     ValueError, "q_pos must have shape"),
-    ((Q, KV, KV), dict(mask=np.ones((2, 3, 1, 5), bool)), ValueError, "broadcastable"),
-    ((Q, KV, KV), dict(mask=np.ones((2, 4, 1, 5), np.int8)), TypeError, "boolean"),
-    ((Q, KV, KV), dict(scale=float("nan")), ValueError, "finite"),
-    ((Q, KV, KV), dict(scale="x"), TypeError, "real number"),
-])
+@pytest.mark.parametrize(
+    "args, kw, exc, match",
+    [
+        ((Q[0], KV, KV), {}, ValueError, "q must have 4 dimensions"),
+        ((Q, KV[..., ::2], KV[..., ::2]), {}, ValueError, "contiguous in its last dimension"),
+        ((Q.tolist(), KV, KV), {}, TypeError, "numpy.ndarray"),
+        ((Q.astype(np.int32), KV, KV), {}, TypeError, "float16, float32 or float64"),
+        ((Q, KV.astype(np.float64), KV), {}, TypeError, "dtypes differ"),
+        ((Q, KV, KV[:, :, :3]), {}, ValueError, "k and v shapes differ"),
+        ((Q, KV[:1], KV[:1]), {}, ValueError, "batch or D"),
+        ((np.zeros((2, 3, 1, 8), np.float32), KV, KV), {}, ValueError, "multiple of kv heads"),
+        ((Q, KV, KV), dict(kv_len=np.array([1, 6])), ValueError, "kv_len must lie in"),
+        ((Q, KV, KV), dict(kv_len=np.array([1.0, 2.0])), TypeError, "integer"),
+        ((Q, KV, KV), dict(kv_len=np.array([1])), ValueError, "shape"),
+        ((Q, KV, KV), dict(q_pos=np.zeros((2, 1), int)), ValueError, "together"),
+        (
+            (Q, KV, KV),
+            dict(q_pos=np.zeros((2, 2), int), k_pos=np.zeros((2, 5), int)),
+            ValueError,
+            "q_pos must have shape",
+        ),
+        ((Q, KV, KV), dict(mask=np.ones((2, 3, 1, 5), bool)), ValueError, "broadcastable"),
+        ((Q, KV, KV), dict(mask=np.ones((2, 4, 1, 5), np.int8)), TypeError, "boolean"),
+        ((Q, KV, KV), dict(scale=float("nan")), ValueError, "finite"),
+        ((Q, KV, KV), dict(scale="x"), TypeError, "real number"),
+    ],
+)
 def test_bad_local_input(args, kw, exc, match):
     with pytest.raises(exc, match=match):
         local_state(*args, **kw)

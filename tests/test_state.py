@@ -72,7 +72,8 @@ def test_combine_equals_attention_over_the_union():
     q = rng.standard_normal((2, 4, 3, 8))
     k = rng.standard_normal((2, 2, 20, 8))
     v = rng.standard_normal((2, 2, 20, 8))
-    merged = combine(local_state(q, k[:, :, :7], v[:, :, :7]), local_state(q, k[:, :, 7:], v[:, :, 7:]))
+    first = local_state(q, k[:, :, :7], v[:, :, :7])
+    merged = combine(first, local_state(q, k[:, :, 7:], v[:, :, 7:]))
     ref, ref_lse = reference_attention(q, k, v)
     assert_allclose(merged.output(), ref, atol=1e-12)
     assert_allclose(merged.lse(), ref_lse, rtol=1e-6)
@@ -105,9 +106,13 @@ def native_combine(a, b):
     lib = _native_lib()
     io = np.array(b.records, copy=True, order="C")
     src = np.ascontiguousarray(a.records)
-    lib.mpitree_combine(src.dtype.itemsize * 8, src.ctypes.data_as(ctypes.c_void_p),
-                        io.ctypes.data_as(ctypes.c_void_p), int(np.prod(src.shape[:-1])),
-                        a.head_dim)
+    lib.mpitree_combine(
+        src.dtype.itemsize * 8,
+        src.ctypes.data_as(ctypes.c_void_p),
+        io.ctypes.data_as(ctypes.c_void_p),
+        int(np.prod(src.shape[:-1])),
+        a.head_dim,
+    )
     return State(io)
 
 
