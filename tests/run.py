@@ -1,0 +1,101 @@
+"""Run the whole suite: serial tests, then each rank count under real mpiexec ranks.
+
+    python tests/run.py [--nprocs 2,3,4] [--leg-timeout 900] [pytest args...]
+
+Each leg runs ``pytest -m parallel[N]`` on N ranks (mpi-pytest's non-forking
+mode) with a wall-clock limit, every rank writing its own JUnit XML, so a test
+failing on any rank counts as failed. Exits non-zero if any test failed, any leg
+crashed or timed out, or a leg ran no test.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from launch import mpiexec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def outcomes(xml_path):
+    """Map test id -> (outcome, message) from one JUnit XML file."""
+    result = {}
+    for case in ET.parse(xml_path).iter("testcase"):
+        tid = f"{case.get('classname')}::{case.get('name')}"
+        outcome, msg = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome, msg = "failed", (child.get("message") or "")[:400]
+            elif child.tag == "skipped" and outcome == "passed":
+                outcome, msg = "skipped", child.get("message") or ""
+        result[tid] = (outcome, msg)
+    return result
+
+
+def run_leg(n, extra, outdir, timeout):
+    """Run one leg; return (merged outcomes, problem or None)."""
+    python = [sys.executable, "-m", "pytest", "--color=no", "-m", f"parallel[{n}]", *extra]
+    xmls = [outdir / f"n{n}-rank{r}.xml" for r in range(n)]
+    if n == 1:
+        cmd = [*python, f"--junitxml={xmls[0]}"]
+    else:
+        cmd = mpiexec(1)
+        for r in range(n):
+            cmd += [*([":", "-n", "1"] if r else []), *python, f"--junitxml={xmls[r]}"]
+    env = {
+        **os.environ,
+        "MPITREE_QUIET": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    }
+    print(f"\n=== {n} rank{'s' if n > 1 else ''}: {' '.join(cmd[:4])} ...", flush=True)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, check=False)
+        problem = None if proc.returncode in (0, 1) else f"exit code {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        problem = f"timed out after {timeout} s"
+    merged = {}
+    for r, path in enumerate(xmls):
+        if not path.exists():
+            problem = problem or f"rank {r} wrote no report"
+            continue
+        for tid, (outcome, msg) in outcomes(path).items():
+            if outcome == "failed" or tid not in merged:
+                merged[tid] = (outcome, f"[rank {r}] {msg}" if outcome == "failed" else msg)
+    if not merged:
+        problem = problem or "no test ran"
+    return merged, problem
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nprocs", default="1,2,3,4", help="comma-separated rank counts")
+    parser.add_argument("--leg-timeout", type=int, default=900)
+    args, extra = parser.parse_known_args()
+    totals = {"passed": 0, "failed": 0, "skipped": 0}
+    problems = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in (int(x) for x in args.nprocs.split(",")):
+            merged, problem = run_leg(n, extra, Path(tmp), args.leg_timeout)
+            for tid, (outcome, msg) in sorted(merged.items()):
+                totals[outcome] += 1
+                if outcome == "failed":
+                    print(f"FAILED ({n} ranks) {tid}: {msg}")
+            if problem:
+                problems.append(f"{n} ranks: {problem}")
+    for p in problems:
+        print(f"ERROR {p}")
+    print(
+        f"\nmpitree tests: {totals['passed']} passed, {totals['failed']} failed, "
+        f"{totals['skipped']} skipped"
+    )
+    return 1 if totals["failed"] or problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

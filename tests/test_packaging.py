@@ -1,0 +1,87 @@
+"""Packaging: lazy optional imports, the public API, the demo and the fallback op."""
+
+import subprocess
+import sys
+
+import pytest
+from launch import run
+
+import mpitree
+
+BLOCK_FRAMEWORKS = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "cupy", "flash_attn", "jax"):
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, Block())
+import mpitree, mpitree.adapters
+print(sorted(m for m in ("torch", "cupy", "flash_attn") if m in sys.modules))
+"""
+
+
+def test_import_pulls_in_no_framework():
+    out = subprocess.run(
+        [sys.executable, "-c", BLOCK_FRAMEWORKS],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_public_api():
+    for name in mpitree.__all__:
+        assert hasattr(mpitree, name), name
+    assert set(mpitree.STRATEGIES) == {"auto", "allreduce", "allreduce3", "allgather", "ring"}
+
+
+def test_demo_runs_and_is_exact():
+    res = run(
+        3,
+        [
+            sys.executable,
+            "-m",
+            "mpitree",
+            "demo",
+            "--tokens",
+            "3000",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--tolerance",
+            "2e-5",
+        ],
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    for name in ("local only", "allreduce", "allreduce3", "allgather", "ring"):
+        assert name in res.stdout
+
+
+FALLBACK = """
+import warnings, numpy as np, mpitree
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+rng = np.random.default_rng(0)
+q = rng.standard_normal((1, 4, 1, 8))
+k = rng.standard_normal((1, 2, 6 * comm.size, 8))
+v = rng.standard_normal((1, 2, 6 * comm.size, 8))
+sl = slice(6 * comm.rank, 6 * comm.rank + 6)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    out = mpitree.tree_decode(q, k[:, :, sl], v[:, :, sl], strategy="allreduce")
+ref = mpitree.tree_decode(q, k[:, :, sl], v[:, :, sl], strategy="allgather")
+assert not mpitree.native_op_available()
+assert any("numpy Python op" in str(x.message) for x in w), [str(x.message) for x in w]
+assert np.abs(out - ref).max() < 1e-12
+print("fallback ok")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_python_fallback_op_warns_and_is_exact():
+    res = run(3, [sys.executable, "-c", FALLBACK], env={"MPITREE_NATIVE_OP": "0"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("fallback ok") == 3
