@@ -89,7 +89,7 @@ class DecodePlan:
         self.comm = comm
         self.shapes = shapes
         self.scale = scale
-        self.strategy = resolve_strategy(strategy)
+        self.strategy = resolve_strategy(strategy, comm.Get_size())
         rows = shapes.rows
         if self.strategy == "ring":
             self._reducer = None
@@ -211,7 +211,8 @@ def tree_decode(
         ``"allreduce3"`` (the paper's Algorithm 3: MAX then two SUMs),
         ``"allgather"`` (gather states, merge locally), ``"ring"`` (Ring
         Attention baseline: K/V travel the ring) or ``"auto"`` (default:
-        ``"allreduce"``, or ``"allreduce3"`` if the native op is unavailable).
+        ``"allreduce"``; without the native op, ``"allgather"`` up to 8 ranks
+        and ``"allreduce3"`` beyond).
     return_lse : bool, optional
         Also return the log-sum-exp.
 
@@ -288,7 +289,8 @@ def allreduce_state(state, comm=None, strategy="auto", *, check=True):
         agree(comm, error, shapes, strategy)
     elif error is not None:
         raise error
-    reducer = Reducer(comm, shapes.rows, shapes.head_dim, shapes.dtype, resolve_strategy(strategy))
+    strategy = resolve_strategy(strategy, comm.Get_size())
+    reducer = Reducer(comm, shapes.rows, shapes.head_dim, shapes.dtype, strategy)
     reducer.records[...] = state.records.reshape(shapes.rows, -1)
     bad = reducer.run()
     if bad is not None:

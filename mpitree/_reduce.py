@@ -6,12 +6,19 @@ from mpi4py import MPI
 from ._op import native_op_available, record_op
 from ._records import merge_records
 
+# Without the native op, gathering p states and merging locally measured as fast as
+# or faster than Algorithm 3 for p <= 8 (README, "Choosing a strategy"); past that
+# the all-gather's p-fold volume and O(p) merge lose to log-depth all-reduces.
+_ALLGATHER_MAX_RANKS = 8
 
-def resolve_strategy(strategy):
-    """Map ``"auto"`` to a concrete strategy (see README, "Choosing a strategy")."""
+
+def resolve_strategy(strategy, size):
+    """Map ``"auto"`` to a concrete strategy for ``size`` ranks."""
     if strategy != "auto":
         return strategy
-    return "allreduce" if native_op_available() else "allreduce3"
+    if native_op_available():
+        return "allreduce"
+    return "allgather" if size <= _ALLGATHER_MAX_RANKS else "allreduce3"
 
 
 class Reducer:

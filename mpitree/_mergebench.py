@@ -1,0 +1,78 @@
+"""``python -m mpitree merge``: the cost of one cross-rank merge, every way, side by side."""
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ._op import _python_op, native_op_available, record_op
+from ._reduce import Reducer
+from ._runtime import default_comm
+
+
+def add_arguments(parser):
+    """Register the merge benchmark's options."""
+    parser.add_argument("--rows", type=int, default=32, help="(batch, head, query) rows")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=2000, help="timed merges per method")
+    parser.add_argument("--warmup", type=int, default=200)
+
+
+def run(args):
+    """Time each method (slowest rank per iteration); rank 0 prints medians and ratios."""
+    comm = default_comm()
+    rows, dim = args.rows, args.head_dim
+    rng = np.random.default_rng(comm.Get_rank())
+    data = rng.standard_normal((rows + 1, dim + 2)).astype(np.float32)
+    data[-1, 0] = -np.inf  # the error-flag row every mpitree merge carries
+
+    def reducer(strategy, persistent=False):
+        red = Reducer(comm, rows, dim, np.float32, strategy, persistent=persistent)
+        return red.buf, red.run
+
+    plain, pybuf = data.copy(), data.copy()
+    rec, _ = record_op(np.float32, dim)
+    pyop = _python_op(np.float32, dim)
+    methods = {  # name -> (buffer restored before each merge, merge)
+        "MPI.SUM allreduce (same bytes)": (
+            plain,
+            lambda: comm.Allreduce(MPI.IN_PLACE, plain, MPI.SUM),
+        ),
+        "allreduce, native op": reducer("allreduce"),
+        "allreduce, native op, persistent": reducer("allreduce", persistent=True),
+        "allreduce, numpy Python op": (
+            pybuf,
+            lambda: comm.Allreduce(MPI.IN_PLACE, [pybuf, rows + 1, rec], pyop),
+        ),
+        "allreduce3 (paper's Alg. 3)": reducer("allreduce3"),
+        "allgather + local merge": reducer("allgather"),
+    }
+    names = list(methods)
+    times = np.zeros((len(names), args.iters))
+    for it in range(args.warmup + args.iters):
+        for i, name in enumerate(names):
+            buf, merge = methods[name]
+            buf[...] = data
+            comm.Barrier()
+            t0 = time.perf_counter()
+            merge()
+            if it >= args.warmup:
+                times[i, it - args.warmup] = time.perf_counter() - t0
+    slow = np.empty_like(times)
+    comm.Allreduce(times, slow, op=MPI.MAX)
+    pyop.Free()
+    if comm.Get_rank() == 0:
+        med = np.median(slow, axis=1) * 1e6
+        base = med[0]
+        print(
+            f"merge of {rows} records x {dim + 2} float32 ({(rows + 1) * (dim + 2) * 4} bytes) "
+            f"on {comm.Get_size()} ranks; native op: {native_op_available()}; "
+            f"{MPI.Get_library_version().splitlines()[0].strip()}"
+        )
+        print(f"{'method':<34} {'median us':>10} {'vs MPI.SUM':>11}")
+        for name, m in zip(names, med):
+            print(f"{name:<34} {m:>10.1f} {m / base:>10.2f}x")
+        print(
+            f"slowest rank per merge, median of {args.iters} interleaved merges after "
+            f"{args.warmup} warm-up merges"
+        )
