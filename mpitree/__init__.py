@@ -9,6 +9,7 @@ log throughout.
 from ._local import local_state
 from ._op import native_op_available
 from ._plan import DecodePlan, allreduce_state, tree_decode
+from ._reference import reference_attention
 from ._runtime import default_comm, set_blas_threads
 from ._state import State, combine
 from ._validate import STRATEGIES
@@ -25,6 +26,7 @@ __all__ = [
     "default_comm",
     "local_state",
     "native_op_available",
+    "reference_attention",
     "set_blas_threads",
     "tree_decode",
 ]

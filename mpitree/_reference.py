@@ -4,11 +4,29 @@ import numpy as np
 
 
 def reference_attention(q, k, v, *, scale=None, visible=None):
-    """Attention of q over the full K/V in float64, one query head at a time.
+    """Single-process float64 attention over a whole (unsharded) KV cache.
 
-    q: (B, Hq, Sq, D); k, v: (B, Hkv, N, D); visible: None or bool broadcastable
-    to (B, Hq, Sq, N). Returns out (B, Hq, Sq, D) float64 (0 for rows that see no
-    key) and lse (B, Hq, Sq) float64 natural log (-inf for those rows).
+    A deliberately naive implementation (one query head at a time, explicit
+    softmax) to check distributed results against.
+
+    Parameters
+    ----------
+    q : array_like
+        ``(B, Hq, Sq, D)``.
+    k, v : array_like
+        ``(B, Hkv, N, D)``, ``Hq % Hkv == 0``; query head ``h`` uses kv head
+        ``h // (Hq // Hkv)``.
+    scale : float, optional
+        Logit scale, default ``1/sqrt(D)``.
+    visible : array_like of bool, optional
+        Broadcastable to ``(B, Hq, Sq, N)``; True = attend.
+
+    Returns
+    -------
+    out : numpy.ndarray
+        ``(B, Hq, Sq, D)``, float64; 0 for rows that see no key.
+    lse : numpy.ndarray
+        ``(B, Hq, Sq)``, float64, natural log; -inf for rows that see no key.
     """
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     b, hq, sq, dim = q.shape

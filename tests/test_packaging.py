@@ -76,6 +76,8 @@ ref = mpitree.tree_decode(q, k[:, :, sl], v[:, :, sl], strategy="allgather")
 assert not mpitree.native_op_available()
 assert any("numpy Python op" in str(x.message) for x in w), [str(x.message) for x in w]
 assert np.abs(out - ref).max() < 1e-12
+with mpitree.DecodePlan(1, 4, 2, 8) as plan:
+    assert plan.strategy == "allgather", plan.strategy
 print("fallback ok")
 """
 
@@ -85,3 +87,10 @@ def test_python_fallback_op_warns_and_is_exact():
     res = run(3, [sys.executable, "-c", FALLBACK], env={"MPITREE_NATIVE_OP": "0"})
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("fallback ok") == 3
+
+
+def test_quickstart_example():
+    res = run(3, [sys.executable, "examples/quickstart.py"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    err = float(res.stdout.split("max |out - ref| = ")[1].split(",")[0])
+    assert err < 2e-5 and "plan == one-shot: True" in res.stdout

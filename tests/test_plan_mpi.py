@@ -6,7 +6,7 @@ from helpers import gathered_identical, make_problem, world
 from numpy.testing import assert_allclose
 
 import mpitree
-from mpitree._reference import reference_attention
+from mpitree import reference_attention
 
 NPROCS = [1, 2, 3, 4]
 STRATEGIES = ["allreduce", "allreduce3", "allgather", "ring"]

@@ -9,9 +9,8 @@ from hypothesis import strategies as st
 from numpy.testing import assert_allclose
 
 import mpitree
-from mpitree import State, combine, local_state
+from mpitree import State, combine, local_state, reference_attention
 from mpitree._op import _native_lib
-from mpitree._reference import reference_attention
 
 
 def random_state(rng, shape, dim, dtype=np.float32, empty_frac=0.2, big=False):
