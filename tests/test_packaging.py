@@ -1,5 +1,6 @@
 """Packaging: lazy optional imports, the public API, the demo and the fallback op."""
 
+import json
 import subprocess
 import sys
 
@@ -94,3 +95,26 @@ def test_quickstart_example():
     assert res.returncode == 0, res.stdout + res.stderr
     err = float(res.stdout.split("max |out - ref| = ")[1].split(",")[0])
     assert err < 2e-5 and "plan == one-shot: True" in res.stdout
+
+
+THREADS = """
+import json, os, mpitree
+from threadpoolctl import threadpool_info
+with mpitree.DecodePlan(1, 2, 1, 8):
+    pass
+blas = [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
+cores = len(os.sched_getaffinity(0))
+print(json.dumps({"blas": blas, "cores": cores}))
+"""
+
+
+@pytest.mark.parametrize("env, expect", [({}, "split"), ({"MPITREE_BLAS_THREADS": "1"}, 1)])
+def test_blas_threads_divided_among_ranks(env, expect):
+    res = run(2, [sys.executable, "-c", THREADS], env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        info = json.loads(line)
+        want = max(1, info["cores"] // 2) if expect == "split" else expect
+        assert info["blas"] and set(info["blas"]) == {want}, line
