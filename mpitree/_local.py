@@ -2,40 +2,36 @@
 
 import numpy as np
 
+from ._kernel import attend_native
 from ._state import State
 from ._validate import check_masking, check_shapes, resolve_scale
 
 
 def visibility(shapes, t, kv_len=None, q_pos=None, k_pos=None, mask=None):
-    """Fold kv_len, positions and mask into one boolean array, or None if all keys are visible.
+    """Split masking into ragged lengths and one boolean visibility array.
 
     Returns
     -------
-    numpy.ndarray or None
-        bool, ``(B, Hm, Sq, T)`` with ``Hm`` 1 or Hq; True = attend.
+    lens : numpy.ndarray or None
+        int64 ``(B,)``: keys used per batch row (``kv_len``).
+    vis : numpy.ndarray or None
+        bool ``(B, Hm, Sq, T)`` with ``Hm`` 1 or Hq, positions and mask folded; True = attend.
     """
+    lens = None if kv_len is None else np.asarray(kv_len, dtype=np.int64)
     vis = None
-    b, sq = shapes.batch, shapes.q_len
-    if kv_len is not None:
-        vis = (np.arange(t) < kv_len[:, None])[:, None, None, :]
     if q_pos is not None:
-        causal = (k_pos[:, None, :] <= q_pos[:, :, None])[:, None]
-        vis = causal if vis is None else vis & causal
+        vis = (k_pos[:, None, :] <= q_pos[:, :, None])[:, None]
     if mask is not None:
         m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
         vis = m if vis is None else vis & m
-    if vis is None:
-        return None
-    heads = vis.shape[1]
-    return np.ascontiguousarray(np.broadcast_to(vis, (b, heads, sq, t)))
+    if vis is not None:
+        shape = (shapes.batch, vis.shape[1], shapes.q_len, t)
+        vis = np.ascontiguousarray(np.broadcast_to(vis, shape))
+    return lens, vis
 
 
-def attend(q, k, v, scale, vis, out):
-    """Write the state of rows ``q`` over keys ``k, v`` into ``out`` records.
-
-    q: (B, Hq, Sq, D); k, v: (B, Hkv, T, D); vis: None or bool (B, 1|Hq, Sq, T);
-    out: (B, Hq, Sq, D + 2) float32/float64 records. GQA without repeating K/V.
-    """
+def _attend_numpy(q, k, v, scale, lens, vis, out):
+    """Reference kernel: grouped matmuls in the accumulation dtype."""
     b, hq, sq, dim = q.shape
     hkv, t = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -45,14 +41,16 @@ def attend(q, k, v, scale, vis, out):
         rec[..., 0] = -np.inf
         rec[..., 1:] = 0
         return
+    if lens is not None:
+        keep = (np.arange(t) < lens[:, None])[:, None, None, :]
+        vis = keep if vis is None else vis & keep
     qs = q.astype(acc) * acc.type(scale)
     kk = k if k.dtype == acc else k.astype(acc)
     vv = v if v.dtype == acc else v.astype(acc)
     s = np.matmul(qs.reshape(b, hkv, g * sq, dim), kk.swapaxes(-1, -2))
     if vis is not None:
         s = s.reshape(b, hkv, g, sq, t)
-        hm = vis.shape[1]
-        v5 = vis.reshape(b, hkv, g, sq, t) if hm > 1 else vis[:, :, None]
+        v5 = vis.reshape(b, hkv, g, sq, t) if vis.shape[1] > 1 else vis[:, :, None]
         s = np.where(v5, s, acc.type(-np.inf)).reshape(b, hkv, g * sq, t)
     m = s.max(axis=-1)
     shift = np.where(np.isneginf(m), 0, m)
@@ -60,6 +58,17 @@ def attend(q, k, v, scale, vis, out):
     rec[..., 0] = m
     rec[..., 1] = p.sum(axis=-1)
     np.matmul(p, vv, out=rec[..., 2:])
+
+
+def attend(q, k, v, scale, lens, vis, out):
+    """Write the state of rows ``q`` over keys ``k, v`` into ``out`` records.
+
+    q: (B, Hq, Sq, D); k, v: (B, Hkv, T, D); lens: None or int64 (B,); vis: None or
+    bool (B, 1|Hq, Sq, T); out: (B, Hq, Sq, D + 2) float32/float64 records. Float32
+    K/V run the compiled kernel (K and V read once), others the numpy reference.
+    """
+    if not attend_native(q, k, v, scale, lens, vis, out):
+        _attend_numpy(q, k, v, scale, lens, vis, out)
 
 
 def local_state(q, k, v, *, scale=None, kv_len=None, q_pos=None, k_pos=None, mask=None):
@@ -93,5 +102,5 @@ def local_state(q, k, v, *, scale=None, kv_len=None, q_pos=None, k_pos=None, mas
     out = np.empty(
         (shapes.batch, shapes.q_heads, shapes.q_len, shapes.head_dim + 2), dtype=shapes.acc_dtype
     )
-    attend(q, k, v, scale, visibility(shapes, t, kv_len, q_pos, k_pos, mask), out)
+    attend(q, k, v, scale, *visibility(shapes, t, kv_len, q_pos, k_pos, mask), out)
     return State(out)

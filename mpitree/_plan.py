@@ -122,22 +122,22 @@ class DecodePlan:
             ``(B, Hq, Sq)``, float32, natural log; -inf for rows that see no key.
             Only with ``return_lse=True``.
         """
-        error = vis = None
+        error = lens = vis = None
         try:
             shapes = check_shapes(q, k, v)
             if shapes != self.shapes:
                 raise ValueError(f"inputs {shapes} do not match the plan's {self.shapes}")
             check_masking(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
-            vis = visibility(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
+            lens, vis = visibility(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
         except (TypeError, ValueError) as exc:
             error = exc
         sh = self.shapes
         records = self._records.reshape(sh.batch, sh.q_heads, sh.q_len, sh.head_dim + 2)
         if self.strategy == "ring":
-            bad = ring_reduce(self.comm, q, k, v, self.scale, vis, records, error is not None)
+            bad = ring_reduce(self.comm, q, k, v, self.scale, lens, vis, records, error is not None)
         else:
             if error is None:
-                attend(q, k, v, self.scale, vis, records)
+                attend(q, k, v, self.scale, lens, vis, records)
             bad = self._reducer.run(failed=error is not None)
         if error is not None:
             raise error

@@ -99,12 +99,14 @@ def test_quickstart_example():
 
 THREADS = """
 import json, os, mpitree
+from mpi4py import MPI
 from threadpoolctl import threadpool_info
 with mpitree.DecodePlan(1, 2, 1, 8):
     pass
 blas = [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
-cores = len(os.sched_getaffinity(0))
-print(json.dumps({"blas": blas, "cores": cores}))
+info = MPI.COMM_WORLD.gather({"blas": blas, "cores": len(os.sched_getaffinity(0))})
+if info:
+    print("\n".join(json.dumps(x) for x in info))
 """
 
 
