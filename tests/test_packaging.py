@@ -105,8 +105,8 @@ with mpitree.DecodePlan(1, 2, 1, 8):
     pass
 blas = [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
 info = MPI.COMM_WORLD.gather({"blas": blas, "cores": len(os.sched_getaffinity(0))})
-if info:
-    print("\n".join(json.dumps(x) for x in info))
+for x in info or []:
+    print(json.dumps(x))
 """
 
 
