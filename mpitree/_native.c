@@ -133,37 +133,216 @@ typedef struct {
     float scale;
 } mpitree_attn_args;
 
+/* 8 floats; GCC lowers it to two SSE registers where AVX is unavailable. */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load8(const float *p)
+{
+    v8f r;
+    memcpy(&r, p, sizeof r);
+    return r;
+}
+
+static inline void store8(float *p, v8f x) { memcpy(p, &x, sizeof x); }
+
+static inline float hsum8(v8f a)
+{
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f select8(v8i mask, v8f a, v8f b) /* mask ? a : b, lane-wise */
+{
+    return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
+}
+
+/* exp(x) for 8 lanes, Cephes-style: ~1 ulp for x in [-87, 88]; exactly 0 below
+ * -87.3 (so exp(-inf) = 0, as masked keys need), +inf above 88.7. */
+static inline v8f exp8(v8f x)
+{
+    const v8f zero = {0}, lo = zero - 87.3365f, hi = zero + 88.7228f;
+    const v8i under = x < lo, over = x > hi;
+    x = select8(under, lo, select8(over, hi, x));
+    const v8f magic = zero + 12582912.0f; /* 1.5 * 2^23: round to nearest integer */
+    const v8f n = (x * 1.44269504088896341f + magic) - magic;
+    const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    v8f p = zero + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
+    const v8f y = p * (v8f)e;
+    return select8(under, zero, select8(over, zero + INFINITY, y));
+}
+
+#define KEYS 16 /* keys per block in the value pass (8 KB of V at D = 128) */
+
+static inline v8f bcast8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
+/* Lane i of the result is the sum of the lanes of x_i (an 8x8 transpose-add). */
+static inline v8f hsum8x8(v8f x0, v8f x1, v8f x2, v8f x3, v8f x4, v8f x5, v8f x6, v8f x7)
+{
+#define PAIRS(a, b) (SHUF(a, b, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a, b, 1, 9, 3, 11, 5, 13, 7, 15))
+#define QUADS(a, b) (SHUF(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(a, b, 2, 3, 10, 11, 6, 7, 14, 15))
+    const v8f u0 = QUADS(PAIRS(x0, x1), PAIRS(x2, x3));
+    const v8f u1 = QUADS(PAIRS(x4, x5), PAIRS(x6, x7));
+#undef PAIRS
+#undef QUADS
+    return SHUF(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* Dot product of a and b: vector body, scalar tail. */
+static inline float dot(const float *a, const float *b, int64_t dim)
+{
+    const int64_t d8 = dim & ~(int64_t)7;
+    v8f acc = {0};
+    for (int64_t x = 0; x < d8; x += 8)
+        acc += load8(a + x) * load8(b + x);
+    float sum = hsum8(acc);
+    for (int64_t x = d8; x < dim; ++x)
+        sum += a[x] * b[x];
+    return sum;
+}
+
+/* s[r * n + j] = q_r . k_j for r < rows, j < n. Blocks of 8 keys x 1 row: 8 vector
+ * accumulators, reduced by one transpose-add into the 8 contiguous scores. The
+ * 8 key rows (4 KB at D = 128) stay in L1 across the rows of the group; the block
+ * four ahead is prefetched (prefetches never fault, even past the end). */
 MPITREE_CLONES
 static void group_scores(const float *q, const float *k, int64_t kstride, int64_t n,
                          int64_t rows, int64_t dim, float *s)
 {
-    for (int64_t j = 0; j < n; ++j) {
-        const float *kj = k + j * kstride;
+    const int64_t n8 = n & ~(int64_t)7, d8 = dim & ~(int64_t)7;
+    const v8f zero = {0};
+    for (int64_t j = 0; j < n8; j += 8) {
+        const float *k0 = k + j * kstride;
+        for (int64_t i = 32; i < 40; ++i) /* the key block 4 ahead: hide memory latency */
+            for (int64_t x = 0; x < dim; x += 16)
+                __builtin_prefetch(k0 + i * kstride + x);
         for (int64_t r = 0; r < rows; ++r) {
             const float *qr = q + r * dim;
-            float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t x = 0; x < dim; ++x)
-                acc += qr[x] * kj[x];
-            s[j * rows + r] = acc;
+            v8f a0 = zero, a1 = zero, a2 = zero, a3 = zero;
+            v8f a4 = zero, a5 = zero, a6 = zero, a7 = zero;
+            for (int64_t x = 0; x < d8; x += 8) {
+                const v8f qv = load8(qr + x);
+                const float *kx = k0 + x;
+                a0 += qv * load8(kx);
+                a1 += qv * load8(kx + kstride);
+                a2 += qv * load8(kx + 2 * kstride);
+                a3 += qv * load8(kx + 3 * kstride);
+                a4 += qv * load8(kx + 4 * kstride);
+                a5 += qv * load8(kx + 5 * kstride);
+                a6 += qv * load8(kx + 6 * kstride);
+                a7 += qv * load8(kx + 7 * kstride);
+            }
+            v8f sv = hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7);
+            for (int64_t x = d8; x < dim; ++x)
+                for (int i = 0; i < 8; ++i)
+                    sv[i] += qr[x] * k0[i * kstride + x];
+            store8(s + r * n + j, sv);
         }
     }
+    for (int64_t j = n8; j < n; ++j)
+        for (int64_t r = 0; r < rows; ++r)
+            s[r * n + j] = dot(q + r * dim, k + j * kstride, dim);
 }
 
+/* acc_r += sum_j p[r * n + j] v_j; rows is a multiple of 4. Blocks of KEYS keys x
+ * 16 columns with 8 register accumulators; the key block two ahead is prefetched
+ * while this one is used, so the strided column passes hit cache. */
 MPITREE_CLONES
 static void group_values(const float *p, const float *v, int64_t vstride, int64_t n,
                          int64_t rows, int64_t dim, float *acc)
 {
-    for (int64_t j = 0; j < n; ++j) {
-        const float *vj = v + j * vstride;
-        for (int64_t r = 0; r < rows; ++r) {
-            const float w = p[j * rows + r];
-            float *ar = acc + r * dim;
-#pragma omp simd
-            for (int64_t x = 0; x < dim; ++x)
-                ar[x] += w * vj[x];
+    const int64_t d16 = dim & ~(int64_t)15;
+    for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
+        const int64_t jn = j0 + KEYS < n ? j0 + KEYS : n;
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            const float *p0 = p + r0 * n, *p1 = p0 + n, *p2 = p1 + n, *p3 = p2 + n;
+            float *c0 = acc + r0 * dim, *c1 = c0 + dim, *c2 = c1 + dim, *c3 = c2 + dim;
+            for (int64_t x = 0; x < d16; x += 16) {
+                v8f a00 = load8(c0 + x), a01 = load8(c0 + x + 8);
+                v8f a10 = load8(c1 + x), a11 = load8(c1 + x + 8);
+                v8f a20 = load8(c2 + x), a21 = load8(c2 + x + 8);
+                v8f a30 = load8(c3 + x), a31 = load8(c3 + x + 8);
+                for (int64_t j = j0; j < jn; ++j) {
+                    const float *vj = v + j * vstride + x;
+                    if (r0 == 0)
+                        __builtin_prefetch(vj + 2 * KEYS * vstride);
+                    const v8f v0 = load8(vj), v1 = load8(vj + 8);
+                    const v8f w0 = bcast8(p0[j]), w1 = bcast8(p1[j]);
+                    const v8f w2 = bcast8(p2[j]), w3 = bcast8(p3[j]);
+                    a00 += w0 * v0;
+                    a01 += w0 * v1;
+                    a10 += w1 * v0;
+                    a11 += w1 * v1;
+                    a20 += w2 * v0;
+                    a21 += w2 * v1;
+                    a30 += w3 * v0;
+                    a31 += w3 * v1;
+                }
+                store8(c0 + x, a00);
+                store8(c0 + x + 8, a01);
+                store8(c1 + x, a10);
+                store8(c1 + x + 8, a11);
+                store8(c2 + x, a20);
+                store8(c2 + x + 8, a21);
+                store8(c3 + x, a30);
+                store8(c3 + x + 8, a31);
+            }
+            for (int64_t j = j0; j < jn; ++j) {
+                const float *vj = v + j * vstride;
+                for (int64_t x = d16; x < dim; ++x) {
+                    c0[x] += p0[j] * vj[x];
+                    c1[x] += p1[j] * vj[x];
+                    c2[x] += p2[j] * vj[x];
+                    c3[x] += p3[j] * vj[x];
+                }
+            }
         }
     }
+}
+
+/* In place over one row of n scores: s_j = exp(s_j - max); return the max (-inf for
+ * a row with no visible key, whose weights are then all 0) and add sum_j s_j to *den. */
+MPITREE_CLONES
+static float row_weights(float *s, int64_t n, float *den)
+{
+    const int64_t n8 = n & ~(int64_t)7;
+    v8f vm = (v8f){0} - INFINITY;
+    for (int64_t j = 0; j < n8; j += 8) {
+        const v8f x = load8(s + j);
+        vm = select8(x > vm, x, vm);
+    }
+    float m = -INFINITY;
+    for (int i = 0; i < 8; ++i)
+        m = vm[i] > m ? vm[i] : m;
+    for (int64_t j = n8; j < n; ++j)
+        m = s[j] > m ? s[j] : m;
+    const float shift = m == -INFINITY ? 0.0f : m;
+    v8f vs = {0};
+    for (int64_t j = 0; j < n8; j += 8) {
+        const v8f e = exp8(load8(s + j) - shift);
+        store8(s + j, e);
+        vs += e;
+    }
+    float sum = hsum8(vs);
+    for (int64_t j = n8; j < n; ++j) {
+        s[j] = expf(s[j] - shift);
+        sum += s[j];
+    }
+    *den = sum;
+    return m;
 }
 
 /* q: (B, Hq, Sq, D) float32 contiguous; out: (B, Hq, Sq, D + 2) float32 records.
@@ -173,55 +352,42 @@ int mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float *
 {
     const int64_t dim = a->head_dim, sq = a->q_len, g = a->q_heads / a->kv_heads;
     const int64_t rows = g * sq, w = dim + 2;
-    float *qs = malloc(sizeof(float) * (size_t)(rows * dim + rows * dim));
-    float *s = malloc(sizeof(float) * (size_t)(a->t > 0 ? a->t * rows : 1));
+    const int64_t pad = (rows + 3) / 4 * 4; /* zero rows complete a block of 4 */
+    float *qs = calloc((size_t)(2 * pad * dim + 2 * pad), sizeof(float));
+    float *s = malloc(sizeof(float) * (size_t)(a->t > 0 ? a->t * pad : 1));
     if (!qs || !s) {
         free(qs);
         free(s);
         return -1;
     }
-    float *acc = qs + rows * dim;
-    float mx[rows > 0 ? rows : 1], den[rows > 0 ? rows : 1];
+    float *acc = qs + pad * dim, *mx = acc + pad * dim, *den = mx + pad;
     for (int64_t b = 0; b < a->batch; ++b) {
         const int64_t n = a->lens ? a->lens[b] : a->t;
         for (int64_t h = 0; h < a->kv_heads; ++h) {
-            /* rows r = gi * Sq + i of query head h * g + gi */
+            /* row r = gi * Sq + i is query i of head h * g + gi */
             const float *qh = q + ((b * a->q_heads + h * g) * sq) * dim;
             for (int64_t x = 0; x < rows * dim; ++x)
                 qs[x] = qh[x] * a->scale;
             const float *kh = k + b * a->k_strides[0] + h * a->k_strides[1];
             const float *vh = v + b * a->v_strides[0] + h * a->v_strides[1];
-            group_scores(qs, kh, a->k_strides[2], n, rows, dim, s);
+            group_scores(qs, kh, a->k_strides[2], n, pad, dim, s);
             for (int64_t r = 0; r < rows; ++r) {
-                mx[r] = -INFINITY;
-                den[r] = 0.0f;
-            }
-            if (a->vis) {
-                for (int64_t r = 0; r < rows; ++r) {
+                float *sr = s + r * n;
+                if (a->vis) {
                     const int64_t hq = a->vis_heads > 1 ? h * g + r / sq : 0;
                     const uint8_t *vr = a->vis + ((b * a->vis_heads + hq) * sq + r % sq) * a->t;
                     for (int64_t j = 0; j < n; ++j)
-                        if (!vr[j])
-                            s[j * rows + r] = -INFINITY;
+                        sr[j] = vr[j] ? sr[j] : -INFINITY;
                 }
+                mx[r] = row_weights(sr, n, den + r);
             }
-            for (int64_t j = 0; j < n; ++j)
-                for (int64_t r = 0; r < rows; ++r)
-                    mx[r] = s[j * rows + r] > mx[r] ? s[j * rows + r] : mx[r];
-            for (int64_t r = 0; r < rows; ++r)
-                if (mx[r] == -INFINITY)
-                    mx[r] = 0.0f; /* every weight is exp(-inf) = 0 */
-            for (int64_t j = 0; j < n; ++j)
-                for (int64_t r = 0; r < rows; ++r) {
-                    const float e = expf(s[j * rows + r] - mx[r]);
-                    s[j * rows + r] = e;
-                    den[r] += e;
-                }
-            memset(acc, 0, sizeof(float) * (size_t)(rows * dim));
-            group_values(s, vh, a->v_strides[2], n, rows, dim, acc);
+            for (int64_t r = rows; r < pad; ++r) /* padding rows: weight 0 */
+                memset(s + r * n, 0, sizeof(float) * (size_t)n);
+            memset(acc, 0, sizeof(float) * (size_t)(pad * dim));
+            group_values(s, vh, a->v_strides[2], n, pad, dim, acc);
             for (int64_t r = 0; r < rows; ++r) {
                 float *rec = out + ((b * a->q_heads + h * g) * sq + r) * w;
-                rec[0] = den[r] > 0.0f ? mx[r] : -INFINITY;
+                rec[0] = mx[r];
                 rec[1] = den[r];
                 memcpy(rec + 2, acc + r * dim, sizeof(float) * (size_t)dim);
             }

@@ -1,0 +1,75 @@
+"""The compiled float32 local kernel against the numpy reference kernel."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numpy.testing import assert_allclose
+
+from mpitree._kernel import attend_native, native_kernel_available
+from mpitree._local import _attend_numpy
+
+pytestmark = pytest.mark.skipif(not native_kernel_available(), reason="native kernel not built")
+
+
+def both(q, k, v, scale, lens, vis):
+    b, hq, sq, dim = q.shape
+    native = np.full((b, hq, sq, dim + 2), np.nan, np.float32)
+    ref = np.full_like(native, np.nan)
+    assert attend_native(q, k, v, scale, lens, vis, native)
+    _attend_numpy(q, k, v, scale, lens, vis, ref)
+    return native, ref
+
+
+def close(native, ref, logit=1.0):
+    """Same rows empty; same lse and normalised output within fp32 rounding of the logits.
+
+    d and n are relative to m, so they are compared through lse = m + log(d) and n / d.
+    A logit of size |s| carries fp32 rounding ~|s| * 2^-24 per term, whatever the order.
+    """
+    assert not np.isnan(native).any()
+    assert np.array_equal(np.isneginf(native[..., 0]), np.isneginf(ref[..., 0]))
+    fin = ~np.isneginf(ref[..., 0])
+    lse_n = native[..., 0][fin] + np.log(native[..., 1][fin])
+    lse_r = ref[..., 0][fin] + np.log(ref[..., 1][fin])
+    tol = 2e-5 * max(1.0, float(np.abs(ref[..., 0][fin]).max(initial=0)) / 10)
+    assert_allclose(lse_n, lse_r, atol=tol, rtol=0)
+    out_n = native[..., 2:] / np.where(native[..., 1:2] > 0, native[..., 1:2], 1)
+    out_r = ref[..., 2:] / np.where(ref[..., 1:2] > 0, ref[..., 1:2], 1)
+    assert_allclose(out_n, out_r, atol=tol, rtol=0)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    b=st.integers(1, 3), hkv=st.integers(1, 3), g=st.integers(1, 4), sq=st.integers(1, 3),
+    dim=st.sampled_from([1, 3, 8, 17, 64, 128]), t=st.integers(0, 70),
+    ragged=st.booleans(), masking=st.sampled_from([None, "shared", "head"]),
+    strided=st.booleans(), logit=st.sampled_from([1.0, 300.0]),
+)
+def test_native_matches_numpy(seed, b, hkv, g, sq, dim, t, ragged, masking, strided, logit):
+    rng = np.random.default_rng(seed)
+    hq = hkv * g
+    q = (rng.standard_normal((b, hq, sq, dim)) * logit).astype(np.float32)
+    big = rng.standard_normal((b, hkv, t + 5, dim)).astype(np.float32)
+    k = big[:, :, :t] if strided else np.ascontiguousarray(big[:, :, :t])
+    v = rng.standard_normal((b, hkv, t, dim)).astype(np.float32)
+    lens = rng.integers(0, t + 1, size=b) if ragged else None
+    vis = None
+    if masking:
+        vis = rng.random((b, hq if masking == "head" else 1, sq, t)) < 0.6
+    close(*both(q, k, v, 0.7, lens, vis))
+
+
+def test_fully_masked_and_empty_rows_are_identity():
+    q = np.ones((2, 2, 1, 8), np.float32)
+    k = np.ones((2, 1, 5, 8), np.float32)
+    vis = np.zeros((2, 1, 1, 5), bool)
+    native, _ = both(q, k, k, 1.0, np.array([5, 0]), vis)
+    assert np.all(np.isneginf(native[..., 0])) and np.all(native[..., 1:] == 0)
+
+
+def test_falls_back_for_other_dtypes():
+    q = np.ones((1, 1, 1, 4), np.float64)
+    out = np.empty((1, 1, 1, 6), np.float64)
+    assert not attend_native(q, q, q, 1.0, None, None, out)
