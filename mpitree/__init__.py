@@ -6,6 +6,7 @@ over its own keys; the states merge associatively across ranks in one
 log throughout.
 """
 
+from . import model
 from ._local import local_state
 from ._op import native_op_available
 from ._plan import DecodePlan, allreduce_state, tree_decode
@@ -25,6 +26,7 @@ __all__ = [
     "combine",
     "default_comm",
     "local_state",
+    "model",
     "native_op_available",
     "reference_attention",
     "set_blas_threads",

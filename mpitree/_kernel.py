@@ -36,8 +36,10 @@ def _lib():
     if lib is None or os.environ.get(_KERNEL_ENV, "native") == "numpy":
         return None
     if not hasattr(lib, "_mpitree_kernel_ready"):
-        lib.mpitree_attend_f32.restype = ctypes.c_int
-        lib.mpitree_attend_f32.argtypes = [ctypes.POINTER(_Args)] + [ctypes.c_void_p] * 4
+        lib.mpitree_attend_f32.restype = None
+        lib.mpitree_attend_f32.argtypes = [ctypes.POINTER(_Args)] + [ctypes.c_void_p] * 5
+        lib.mpitree_attend_scratch.restype = ctypes.c_int64
+        lib.mpitree_attend_scratch.argtypes = [ctypes.c_int64] * 2
         lib.mpitree_read_f32.restype = ctypes.c_float
         lib.mpitree_read_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         lib._mpitree_kernel_ready = True
@@ -61,8 +63,9 @@ def attend_native(q, k, v, scale, lens, vis, out):
         return False
     q = np.ascontiguousarray(q, dtype=np.float32)
     b, hq, sq, dim = q.shape
-    args = _Args(b, hq, k.shape[1], sq, dim, _strides(k), _strides(v), None, k.shape[2],
-                 None, 0, scale)
+    args = _Args(
+        b, hq, k.shape[1], sq, dim, _strides(k), _strides(v), None, k.shape[2], None, 0, scale
+    )
     if lens is not None:
         lens = np.ascontiguousarray(lens, dtype=np.int64)
         args.lens = lens.ctypes.data
@@ -70,9 +73,15 @@ def attend_native(q, k, v, scale, lens, vis, out):
         vis = np.ascontiguousarray(vis)
         args.vis = vis.ctypes.data
         args.vis_heads = vis.shape[1]
-    if lib.mpitree_attend_f32(ctypes.byref(args), q.ctypes.data, k.ctypes.data, v.ctypes.data,
-                              out.ctypes.data) != 0:
-        raise MemoryError("mpitree: local attention kernel could not allocate scratch memory")
+    scratch = np.empty(lib.mpitree_attend_scratch(hq // k.shape[1] * sq, dim), np.float32)
+    lib.mpitree_attend_f32(
+        ctypes.byref(args),
+        q.ctypes.data,
+        k.ctypes.data,
+        v.ctypes.data,
+        out.ctypes.data,
+        scratch.ctypes.data,
+    )
     return True
 
 

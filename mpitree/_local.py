@@ -31,7 +31,7 @@ def visibility(shapes, t, kv_len=None, q_pos=None, k_pos=None, mask=None):
 
 
 def _attend_numpy(q, k, v, scale, lens, vis, out):
-    """Reference kernel: grouped matmuls in the accumulation dtype."""
+    """Compute states with grouped numpy matmuls in the accumulation dtype (the reference)."""
     b, hq, sq, dim = q.shape
     hkv, t = k.shape[1], k.shape[2]
     g = hq // hkv

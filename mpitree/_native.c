@@ -114,7 +114,6 @@ void mpitree_combine(int bits, const void *in, void *io, int count, int dim)
 /* are each read exactly once; all arithmetic is float32.                     */
 /* ------------------------------------------------------------------------- */
 #include <stdint.h>
-#include <stdlib.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MPITREE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -257,17 +256,17 @@ static void group_scores(const float *q, const float *k, int64_t kstride, int64_
             s[r * n + j] = dot(q + r * dim, k + j * kstride, dim);
 }
 
-/* acc_r += sum_j p[r * n + j] v_j; rows is a multiple of 4. Blocks of KEYS keys x
- * 16 columns with 8 register accumulators; the key block two ahead is prefetched
- * while this one is used, so the strided column passes hit cache. */
+/* acc_r += sum_j p[r * n + j] v_j for r < rows. Blocks of KEYS keys x 16 columns x
+ * 4 rows with 8 register accumulators (leftover rows one at a time); while the
+ * first row block runs, each line of the key block two ahead is prefetched. */
 MPITREE_CLONES
 static void group_values(const float *p, const float *v, int64_t vstride, int64_t n,
                          int64_t rows, int64_t dim, float *acc)
 {
-    const int64_t d16 = dim & ~(int64_t)15;
+    const int64_t d16 = dim & ~(int64_t)15, r4 = rows & ~(int64_t)3;
     for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
         const int64_t jn = j0 + KEYS < n ? j0 + KEYS : n;
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        for (int64_t r0 = 0; r0 < r4; r0 += 4) {
             const float *p0 = p + r0 * n, *p1 = p0 + n, *p2 = p1 + n, *p3 = p2 + n;
             float *c0 = acc + r0 * dim, *c1 = c0 + dim, *c2 = c1 + dim, *c3 = c2 + dim;
             for (int64_t x = 0; x < d16; x += 16) {
@@ -300,36 +299,54 @@ static void group_values(const float *p, const float *v, int64_t vstride, int64_
                 store8(c3 + x, a30);
                 store8(c3 + x + 8, a31);
             }
-            for (int64_t j = j0; j < jn; ++j) {
-                const float *vj = v + j * vstride;
-                for (int64_t x = d16; x < dim; ++x) {
-                    c0[x] += p0[j] * vj[x];
-                    c1[x] += p1[j] * vj[x];
-                    c2[x] += p2[j] * vj[x];
-                    c3[x] += p3[j] * vj[x];
+        }
+        for (int64_t r = r4; r < rows; ++r) {
+            const float *pr = p + r * n;
+            float *cr = acc + r * dim;
+            for (int64_t x = 0; x < d16; x += 16) {
+                v8f a0 = load8(cr + x), a1 = load8(cr + x + 8);
+                for (int64_t j = j0; j < jn; ++j) {
+                    const float *vj = v + j * vstride + x;
+                    if (r == 0)
+                        __builtin_prefetch(vj + 2 * KEYS * vstride);
+                    const v8f w = bcast8(pr[j]);
+                    a0 += w * load8(vj);
+                    a1 += w * load8(vj + 8);
                 }
+                store8(cr + x, a0);
+                store8(cr + x + 8, a1);
             }
         }
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = j0; j < jn; ++j) {
+                const float w = p[r * n + j];
+                const float *vj = v + j * vstride;
+                float *cr = acc + r * dim;
+                for (int64_t x = d16; x < dim; ++x)
+                    cr[x] += w * vj[x];
+            }
     }
 }
 
-/* In place over one row of n scores: s_j = exp(s_j - max); return the max (-inf for
- * a row with no visible key, whose weights are then all 0) and add sum_j s_j to *den. */
+/* Fold one chunk of n scores into a row's running max *m and sum *den: in place,
+ * s_j = exp(s_j - m_new). Returns the factor exp(m_old - m_new) by which the row's
+ * earlier numerator must be scaled (0 while the row has seen no visible key). */
 MPITREE_CLONES
-static float row_weights(float *s, int64_t n, float *den)
+static float row_weights(float *s, int64_t n, float *m, float *den)
 {
     const int64_t n8 = n & ~(int64_t)7;
-    v8f vm = (v8f){0} - INFINITY;
+    v8f vm = bcast8(-INFINITY);
     for (int64_t j = 0; j < n8; j += 8) {
         const v8f x = load8(s + j);
         vm = select8(x > vm, x, vm);
     }
-    float m = -INFINITY;
+    float cm = -INFINITY;
     for (int i = 0; i < 8; ++i)
-        m = vm[i] > m ? vm[i] : m;
+        cm = vm[i] > cm ? vm[i] : cm;
     for (int64_t j = n8; j < n; ++j)
-        m = s[j] > m ? s[j] : m;
-    const float shift = m == -INFINITY ? 0.0f : m;
+        cm = s[j] > cm ? s[j] : cm;
+    const float old = *m, fresh = cm > old ? cm : old;
+    const float shift = fresh == -INFINITY ? 0.0f : fresh;
     v8f vs = {0};
     for (int64_t j = 0; j < n8; j += 8) {
         const v8f e = exp8(load8(s + j) - shift);
@@ -341,26 +358,30 @@ static float row_weights(float *s, int64_t n, float *den)
         s[j] = expf(s[j] - shift);
         sum += s[j];
     }
-    *den = sum;
-    return m;
+    const float scale = old == -INFINITY ? 0.0f : expf(old - shift);
+    *den = *den * scale + sum;
+    *m = fresh;
+    return scale;
 }
 
-/* q: (B, Hq, Sq, D) float32 contiguous; out: (B, Hq, Sq, D + 2) float32 records.
- * Returns 0, or -1 if scratch memory could not be allocated. */
-int mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float *k,
-                       const float *v, float *out)
+#define CHUNK 2048 /* keys per chunk: scratch stays small whatever the shard length */
+
+/* Scratch floats mpitree_attend_f32 needs (independent of the shard length). */
+int64_t mpitree_attend_scratch(int64_t rows, int64_t dim)
+{
+    return 2 * rows * dim + 2 * rows + CHUNK * rows;
+}
+
+/* q: (B, Hq, Sq, D) float32 contiguous; out: (B, Hq, Sq, D + 2) float32 records;
+ * scratch: mpitree_attend_scratch(G * Sq, D) floats (the caller owns it). Keys are
+ * taken in chunks with a running max (online softmax), K and V read once each. */
+void mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float *k,
+                        const float *v, float *out, float *scratch)
 {
     const int64_t dim = a->head_dim, sq = a->q_len, g = a->q_heads / a->kv_heads;
     const int64_t rows = g * sq, w = dim + 2;
-    const int64_t pad = (rows + 3) / 4 * 4; /* zero rows complete a block of 4 */
-    float *qs = calloc((size_t)(2 * pad * dim + 2 * pad), sizeof(float));
-    float *s = malloc(sizeof(float) * (size_t)(a->t > 0 ? a->t * pad : 1));
-    if (!qs || !s) {
-        free(qs);
-        free(s);
-        return -1;
-    }
-    float *acc = qs + pad * dim, *mx = acc + pad * dim, *den = mx + pad;
+    float *qs = scratch, *acc = qs + rows * dim, *mx = acc + rows * dim, *den = mx + rows;
+    float *s = den + rows;
     for (int64_t b = 0; b < a->batch; ++b) {
         const int64_t n = a->lens ? a->lens[b] : a->t;
         for (int64_t h = 0; h < a->kv_heads; ++h) {
@@ -370,21 +391,30 @@ int mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float *
                 qs[x] = qh[x] * a->scale;
             const float *kh = k + b * a->k_strides[0] + h * a->k_strides[1];
             const float *vh = v + b * a->v_strides[0] + h * a->v_strides[1];
-            group_scores(qs, kh, a->k_strides[2], n, pad, dim, s);
+            memset(acc, 0, sizeof(float) * (size_t)(rows * dim));
             for (int64_t r = 0; r < rows; ++r) {
-                float *sr = s + r * n;
-                if (a->vis) {
-                    const int64_t hq = a->vis_heads > 1 ? h * g + r / sq : 0;
-                    const uint8_t *vr = a->vis + ((b * a->vis_heads + hq) * sq + r % sq) * a->t;
-                    for (int64_t j = 0; j < n; ++j)
-                        sr[j] = vr[j] ? sr[j] : -INFINITY;
-                }
-                mx[r] = row_weights(sr, n, den + r);
+                mx[r] = -INFINITY;
+                den[r] = 0.0f;
             }
-            for (int64_t r = rows; r < pad; ++r) /* padding rows: weight 0 */
-                memset(s + r * n, 0, sizeof(float) * (size_t)n);
-            memset(acc, 0, sizeof(float) * (size_t)(pad * dim));
-            group_values(s, vh, a->v_strides[2], n, pad, dim, acc);
+            for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+                const int64_t cn = n - c0 < CHUNK ? n - c0 : CHUNK;
+                group_scores(qs, kh + c0 * a->k_strides[2], a->k_strides[2], cn, rows, dim, s);
+                for (int64_t r = 0; r < rows; ++r) {
+                    float *sr = s + r * cn;
+                    if (a->vis) {
+                        const int64_t hq = a->vis_heads > 1 ? h * g + r / sq : 0;
+                        const uint8_t *vr =
+                            a->vis + ((b * a->vis_heads + hq) * sq + r % sq) * a->t + c0;
+                        for (int64_t j = 0; j < cn; ++j)
+                            sr[j] = vr[j] ? sr[j] : -INFINITY;
+                    }
+                    const float scale = row_weights(sr, cn, mx + r, den + r);
+                    if (scale != 1.0f)
+                        for (int64_t x = 0; x < dim; ++x)
+                            acc[r * dim + x] *= scale;
+                }
+                group_values(s, vh + c0 * a->v_strides[2], a->v_strides[2], cn, rows, dim, acc);
+            }
             for (int64_t r = 0; r < rows; ++r) {
                 float *rec = out + ((b * a->q_heads + h * g) * sq + r) * w;
                 rec[0] = mx[r];
@@ -393,9 +423,6 @@ int mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float *
             }
         }
     }
-    free(qs);
-    free(s);
-    return 0;
 }
 
 /* Stream-read n floats (the bandwidth floor a decode kernel cannot beat). */

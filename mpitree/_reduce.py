@@ -5,6 +5,7 @@ from mpi4py import MPI
 
 from ._op import native_op_available, record_op
 from ._records import merge_records
+from ._traffic import traffic
 
 # Without the native op, gathering p states and merging locally measured as fast as
 # or faster than Algorithm 3 for p <= 8 (README, "Choosing a strategy"); past that
@@ -66,6 +67,7 @@ class Reducer:
 
     def _allreduce(self):
         """One MPI_Allreduce of records with the (m, d, n) user op."""
+        traffic.add(self.buf.nbytes)
         if self._request is not None:
             self._request.Start()
             self._request.Wait()
@@ -77,11 +79,14 @@ class Reducer:
         buf = self.buf
         m_local = buf[:, 0].copy()
         m = m_local.copy()
+        traffic.add(m.nbytes)
         self.comm.Allreduce(MPI.IN_PLACE, m, op=MPI.MAX)
         w = np.exp(m_local - np.where(np.isneginf(m), 0, m))
         d = buf[:, 1] * w
         n = buf[:, 2:] * w[:, None]
+        traffic.add(d.nbytes)
         self.comm.Allreduce(MPI.IN_PLACE, d, op=MPI.SUM)
+        traffic.add(n.nbytes)
         self.comm.Allreduce(MPI.IN_PLACE, n, op=MPI.SUM)
         buf[:, 0] = m
         buf[:, 1] = d
@@ -89,6 +94,7 @@ class Reducer:
 
     def _allgather(self):
         """Gather every rank's records and merge them locally in rank order."""
+        traffic.add(self.buf.nbytes)
         self.comm.Allgather(self.buf, self._gathered)
         self.buf[...] = merge_records(self._gathered, axis=0)
 

@@ -5,6 +5,7 @@ from mpi4py import MPI
 
 from ._local import attend
 from ._records import merge_records
+from ._traffic import traffic
 
 
 def ring_reduce(comm, q, k, v, scale, lens, vis, records, failed):
@@ -19,6 +20,7 @@ def ring_reduce(comm, q, k, v, scale, lens, vis, records, failed):
     t = 0 if failed else k.shape[2]
     header = np.array([t, 0 if vis is None or failed else vis.shape[1], failed], dtype=np.int64)
     headers = np.empty((p, 3), dtype=np.int64)
+    traffic.add(header.nbytes)
     comm.Allgather(header, headers)
     bad = np.flatnonzero(headers[:, 2])
     if bad.size:
@@ -33,14 +35,18 @@ def ring_reduce(comm, q, k, v, scale, lens, vis, records, failed):
     for step in range(1, p):
         src = (r - step) % p
         ts, vheads = int(headers[src, 0]), int(headers[src, 1])
-        new = (np.empty((b, hkv, ts, dim), dtype=k.dtype), np.empty((b, hkv, ts, dim), k.dtype),
-               np.empty(b, dtype=np.int64),
-               np.empty((b, vheads, sq, ts), dtype=bool) if vheads else None)
+        new = (
+            np.empty((b, hkv, ts, dim), dtype=k.dtype),
+            np.empty((b, hkv, ts, dim), k.dtype),
+            np.empty(b, dtype=np.int64),
+            np.empty((b, vheads, sq, ts), dtype=bool) if vheads else None,
+        )
         reqs = []
         for tag, (out_buf, in_buf) in enumerate(zip(block, new)):
             if in_buf is not None:
                 reqs.append(comm.Irecv([in_buf, MPI.BYTE], left, tag))
             if out_buf is not None:
+                traffic.add(out_buf.nbytes)
                 reqs.append(comm.Isend([out_buf, MPI.BYTE], right, tag))
         MPI.Request.Waitall(reqs)
         attend(q, *new[:2], scale, new[2], new[3], parts[src])

@@ -42,10 +42,16 @@ def close(native, ref, logit=1.0):
 @settings(max_examples=120, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
-    b=st.integers(1, 3), hkv=st.integers(1, 3), g=st.integers(1, 4), sq=st.integers(1, 3),
-    dim=st.sampled_from([1, 3, 8, 17, 64, 128]), t=st.integers(0, 70),
-    ragged=st.booleans(), masking=st.sampled_from([None, "shared", "head"]),
-    strided=st.booleans(), logit=st.sampled_from([1.0, 300.0]),
+    b=st.integers(1, 3),
+    hkv=st.integers(1, 3),
+    g=st.integers(1, 4),
+    sq=st.integers(1, 3),
+    dim=st.sampled_from([1, 3, 8, 17, 64, 128]),
+    t=st.integers(0, 70),
+    ragged=st.booleans(),
+    masking=st.sampled_from([None, "shared", "head"]),
+    strided=st.booleans(),
+    logit=st.sampled_from([1.0, 300.0]),
 )
 def test_native_matches_numpy(seed, b, hkv, g, sq, dim, t, ragged, masking, strided, logit):
     rng = np.random.default_rng(seed)
