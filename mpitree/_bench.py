@@ -248,7 +248,8 @@ def report(env, cells):
         for c in rows:
             m, f = c["extra_peak_bytes_per_rank"], c["paper"]
             print(
-                f"{c['tokens']:>8} | ring {_mb(m['ring'])} (eq.29 {_mb(f['eq29_ring_extra_bytes'])})"
+                f"{c['tokens']:>8} | ring {_mb(m['ring'])} "
+                f"(eq.29 {_mb(f['eq29_ring_extra_bytes'])})"
                 f" | allreduce {_mb(m['allreduce'])} (eq.30 {_mb(f['eq30_tree_extra_bytes'])})"
                 f" | allreduce3 {_mb(m['allreduce3'])} | allgather {_mb(m['allgather'])}"
             )
