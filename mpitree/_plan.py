@@ -7,13 +7,16 @@ from ._reduce import Reducer, resolve_strategy
 from ._ring import ring_reduce
 from ._runtime import default_comm, limit_blas_threads
 from ._state import State
+from ._topology import node_size as resolve_node_size
 from ._validate import (
     Shapes,
     agree,
     check_comm,
+    check_finite,
     check_masking,
     check_shapes,
     check_strategy,
+    checksum,
     resolve_scale,
 )
 
@@ -46,7 +49,19 @@ class DecodePlan:
     scale : float, optional
         Logit scale, default ``1/sqrt(D)``.
     strategy : str, optional
-        ``"auto"`` (default), ``"allreduce"``, ``"allreduce3"``, ``"allgather"`` or ``"ring"``.
+        ``"auto"`` (default), ``"allreduce"``, ``"allreduce3"``, ``"allgather"``,
+        ``"ring"`` or ``"hierarchical"`` (see :func:`tree_decode`).
+    node_size : int, optional
+        For ``"hierarchical"`` (and ``"auto"``): ranks per node. Default
+        ``MPITREE_NODE_SIZE``, else 0 = the real nodes (MPI's shared-memory split);
+        a positive value imposes virtual nodes of that many consecutive ranks.
+    deterministic : bool, optional
+        Merge the ranks' states in a fixed (rank) order, so that repeated runs with
+        the same ranks and data are bitwise identical whatever order messages
+        arrive in. Costs an all-gather of the states instead of an all-reduce.
+    validate : bool, optional
+        Debug mode: every step also checks that q, k, v are finite and that q is the
+        same on every rank (a checksum, one extra small collective per step).
     """
 
     def __init__(
@@ -61,6 +76,9 @@ class DecodePlan:
         comm=None,
         scale=None,
         strategy="auto",
+        node_size=None,
+        deterministic=False,
+        validate=False,
     ):
         comm = default_comm() if comm is None else comm
         check_comm(comm)
@@ -71,25 +89,31 @@ class DecodePlan:
             kv = np.empty((batch, kv_heads, 0, head_dim), dtype=dtype)
             shapes = check_shapes(q, kv, kv)
             scale = resolve_scale(scale, head_dim)
+            node_size = resolve_node_size(node_size)
         except (TypeError, ValueError) as exc:
             error = exc
-        agree(comm, error, shapes, strategy, scale)
-        self._setup(comm, shapes, scale, strategy, persistent=True)
+        agree(
+            comm, error, shapes, strategy, scale, node_size=node_size, deterministic=deterministic
+        )
+        self._setup(comm, shapes, scale, strategy, node_size, deterministic, validate, True)
 
     @classmethod
-    def _agreed(cls, comm, shapes, scale, strategy):
+    def _agreed(cls, comm, shapes, scale, strategy, node_size, deterministic):
         """Build a one-shot plan for inputs already checked and agreed on."""
         plan = cls.__new__(cls)
-        plan._setup(comm, shapes, scale, strategy, persistent=False)
+        plan._setup(comm, shapes, scale, strategy, node_size, deterministic, False, False)
         return plan
 
-    def _setup(self, comm, shapes, scale, strategy, persistent):
+    def _setup(self, comm, shapes, scale, strategy, node_size, deterministic, validate, persistent):
         """Allocate buffers and the reduction for a validated problem."""
         limit_blas_threads()
         self.comm = comm
         self.shapes = shapes
         self.scale = scale
-        self.strategy = resolve_strategy(strategy, comm.Get_size())
+        self.validate = validate
+        self._agreement = dict(node_size=node_size, deterministic=deterministic)
+        self._requested = strategy
+        self.strategy = resolve_strategy(strategy, comm, node_size, deterministic)
         rows = shapes.rows
         if self.strategy == "ring":
             self._reducer = None
@@ -129,8 +153,20 @@ class DecodePlan:
                 raise ValueError(f"inputs {shapes} do not match the plan's {self.shapes}")
             check_masking(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
             lens, vis = visibility(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
+            if self.validate:
+                check_finite(q, k, v)
         except (TypeError, ValueError) as exc:
             error = exc
+        if self.validate:
+            agree(
+                self.comm,
+                error,
+                self.shapes,
+                self._requested,
+                self.scale,
+                q_sum=0 if error else checksum(q),
+                **self._agreement,
+            )
         sh = self.shapes
         records = self._records.reshape(sh.batch, sh.q_heads, sh.q_len, sh.head_dim + 2)
         if self.strategy == "ring":
@@ -177,6 +213,9 @@ def tree_decode(
     mask=None,
     strategy="auto",
     return_lse=False,
+    deterministic=False,
+    validate=False,
+    node_size=None,
 ):
     """Exact attention of replicated queries over a KV cache sharded along the sequence.
 
@@ -210,11 +249,16 @@ def tree_decode(
         ``"allreduce"`` (one MPI_Allreduce with a native user op),
         ``"allreduce3"`` (the paper's Algorithm 3: MAX then two SUMs),
         ``"allgather"`` (gather states, merge locally), ``"ring"`` (Ring
-        Attention baseline: K/V travel the ring) or ``"auto"`` (default:
-        ``"allreduce"``; without the native op, ``"allgather"`` up to 8 ranks
-        and ``"allreduce3"`` beyond).
+        Attention baseline: K/V travel the ring), ``"hierarchical"`` (reduce
+        inside each node, all-reduce among node leaders, broadcast inside nodes)
+        or ``"auto"`` (default: ``"allreduce"`` on one node, ``"hierarchical"``
+        across nodes; without the native op, ``"allgather"`` up to 8 ranks and
+        ``"allreduce3"`` beyond).
     return_lse : bool, optional
         Also return the log-sum-exp.
+    deterministic, validate, node_size
+        As in :class:`DecodePlan`. In validate mode q's checksum joins the one
+        agreement collective every call already makes.
 
     Returns
     -------
@@ -242,17 +286,32 @@ def tree_decode(
         shapes = check_shapes(q, k, v)
         check_masking(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
         scale = resolve_scale(scale, shapes.head_dim)
+        node_size = resolve_node_size(node_size)
+        if validate:
+            check_finite(q, k, v)
     except (TypeError, ValueError) as exc:
         error = exc
-    agree(comm, error, shapes, strategy, scale)
-    plan = DecodePlan._agreed(comm, shapes, scale, strategy)
+    q_sum = checksum(q) if validate and error is None else 0
+    agree(
+        comm,
+        error,
+        shapes,
+        strategy,
+        scale,
+        node_size=node_size,
+        deterministic=deterministic,
+        q_sum=q_sum,
+    )
+    plan = DecodePlan._agreed(comm, shapes, scale, strategy, node_size, deterministic)
     with plan:
         return plan.decode(
             q, k, v, kv_len=kv_len, q_pos=q_pos, k_pos=k_pos, mask=mask, return_lse=return_lse
         )
 
 
-def allreduce_state(state, comm=None, strategy="auto", *, check=True):
+def allreduce_state(
+    state, comm=None, strategy="auto", *, check=True, deterministic=False, node_size=None
+):
     """Merge a :class:`State` across ranks; every rank gets the merged state.
 
     Parameters
@@ -261,11 +320,13 @@ def allreduce_state(state, comm=None, strategy="auto", *, check=True):
         ``(..., D + 2)`` records, the same row shape and dtype on every rank.
     comm : mpi4py.MPI.Intracomm, optional
         Default: mpitree's private duplicate of ``COMM_WORLD``.
-    strategy : {"auto", "allreduce", "allreduce3", "allgather"}, optional
+    strategy : {"auto", "allreduce", "allreduce3", "allgather", "hierarchical"}, optional
         ``"ring"`` needs K/V and is only available through :func:`tree_decode`.
     check : bool, optional
         Check cross-rank agreement on shape, dtype and strategy first (one small
         extra collective). Pass False in a loop once the shapes are known good.
+    deterministic, node_size
+        As in :class:`DecodePlan`.
 
     Returns
     -------
@@ -283,14 +344,17 @@ def allreduce_state(state, comm=None, strategy="auto", *, check=True):
             raise ValueError("strategy 'ring' moves K/V; use tree_decode for it")
         rows = int(np.prod(state.shape))
         shapes = Shapes(rows, 1, 1, 1, state.head_dim, state.records.dtype)
+        node_size = resolve_node_size(node_size)
     except (TypeError, ValueError) as exc:
         error = exc
     if check:
-        agree(comm, error, shapes, strategy)
+        agree(comm, error, shapes, strategy, node_size=node_size, deterministic=deterministic)
     elif error is not None:
         raise error
-    strategy = resolve_strategy(strategy, comm.Get_size())
-    reducer = Reducer(comm, shapes.rows, shapes.head_dim, shapes.dtype, strategy)
+    strategy = resolve_strategy(strategy, comm, node_size, deterministic)
+    reducer = Reducer(
+        comm, shapes.rows, shapes.head_dim, shapes.dtype, strategy, node_size=node_size
+    )
     reducer.records[...] = state.records.reshape(shapes.rows, -1)
     bad = reducer.run()
     if bad is not None:

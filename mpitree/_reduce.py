@@ -5,6 +5,7 @@ from mpi4py import MPI
 
 from ._op import native_op_available, record_op
 from ._records import merge_records
+from ._topology import layout
 from ._traffic import traffic
 
 # Without the native op, gathering p states and merging locally measured as fast as
@@ -13,13 +14,25 @@ from ._traffic import traffic
 _ALLGATHER_MAX_RANKS = 8
 
 
-def resolve_strategy(strategy, size):
-    """Map ``"auto"`` to a concrete strategy for ``size`` ranks."""
+def resolve_strategy(strategy, comm, node_size=0, deterministic=False):
+    """Map a requested strategy to the one that runs (collective over ``comm`` for "auto").
+
+    ``deterministic=True`` turns every strategy but the ring (already rank-ordered)
+    into a gather of all states merged in rank order. ``"auto"``: the native
+    all-reduce on one node, the hierarchical reduction when ranks span several
+    nodes with several ranks each; without the native op, see ``_ALLGATHER_MAX_RANKS``.
+    """
+    if deterministic and strategy != "ring":
+        return "allgather"
     if strategy != "auto":
         return strategy
-    if native_op_available():
+    size = comm.Get_size()
+    if size == 1:
         return "allreduce"
-    return "allgather" if size <= _ALLGATHER_MAX_RANKS else "allreduce3"
+    if not native_op_available():
+        return "allgather" if size <= _ALLGATHER_MAX_RANKS else "allreduce3"
+    lay = layout(comm, node_size)
+    return "hierarchical" if lay.nodes > 1 and lay.ranks_per_node > 1 else "allreduce"
 
 
 class Reducer:
@@ -30,7 +43,7 @@ class Reducer:
     rank learns of a failure without a second collective.
     """
 
-    def __init__(self, comm, rows, dim, dtype, strategy, persistent=False):
+    def __init__(self, comm, rows, dim, dtype, strategy, persistent=False, node_size=0):
         self.comm = comm
         self.strategy = strategy
         self.buf = np.zeros((rows + 1, dim + 2), dtype=dtype)
@@ -47,6 +60,10 @@ class Reducer:
                     self._request = comm.Allreduce_init(MPI.IN_PLACE, self._spec, self._op)
                 except (NotImplementedError, MPI.Exception):
                     self._request = None
+        elif strategy == "hierarchical":
+            rec, self._op = record_op(dtype, dim)
+            self._spec = [self.buf, rows + 1, rec]
+            self._layout = layout(comm, node_size)
         elif strategy == "allgather":
             self._gathered = np.empty((size, *self.buf.shape), dtype=dtype)
         elif strategy != "allreduce3":
@@ -91,6 +108,22 @@ class Reducer:
         buf[:, 0] = m
         buf[:, 1] = d
         buf[:, 2:] = n
+
+    def _hierarchical(self):
+        """Reduce to each node's leader, all-reduce among leaders, broadcast inside nodes."""
+        node, leaders = self._layout.node, self._layout.leaders
+        if node.Get_size() > 1:
+            traffic.add(self.buf.nbytes)
+            if node.Get_rank() == 0:
+                node.Reduce(MPI.IN_PLACE, self._spec, self._op, root=0)
+            else:
+                node.Reduce(self._spec, None, self._op, root=0)
+        if leaders != MPI.COMM_NULL and leaders.Get_size() > 1:
+            traffic.add(self.buf.nbytes)
+            leaders.Allreduce(MPI.IN_PLACE, self._spec, self._op)
+        if node.Get_size() > 1:
+            traffic.add(self.buf.nbytes)
+            node.Bcast(self._spec, root=0)
 
     def _allgather(self):
         """Gather every rank's records and merge them locally in rank order."""

@@ -113,7 +113,7 @@ class State:
         return self.records.shape[-1] - 2
 
     def output(self, dtype=None):
-        """Return the attention output ``n / d``, ``(..., D)``; 0 for empty rows.
+        """Return the attention output ``n / d``, ``(..., D)``; 0 for empty rows, NaN stays NaN.
 
         Parameters
         ----------
@@ -122,7 +122,7 @@ class State:
         """
         d = self.d[..., None]
         out = np.zeros(self.n.shape, dtype=self.records.dtype)
-        np.divide(self.n, d, out=out, where=d > 0)
+        np.divide(self.n, d, out=out, where=d != 0)  # NaN states stay NaN, never 0
         return out if dtype is None else out.astype(dtype, copy=False)
 
     def lse(self, *, base="e"):
@@ -135,7 +135,7 @@ class State:
         """
         d = self.d
         lse = np.full(d.shape, -np.inf, dtype=self.records.dtype)
-        np.log(d, out=lse, where=d > 0)
+        np.log(d, out=lse, where=d != 0)
         lse += self.m
         if base == 2:
             lse /= _LN2

@@ -1,12 +1,13 @@
 """Local input checks, and the one small collective that makes every rank agree."""
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
 
-STRATEGIES = ("auto", "allreduce", "allreduce3", "allgather", "ring")
+STRATEGIES = ("auto", "allreduce", "allreduce3", "allgather", "ring", "hierarchical")
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -131,18 +132,42 @@ _FIELDS = (
     "dtype",
     "strategy",
     "scale",
-    "positions",
+    "node size",
+    "deterministic",
+    "q (checksum)",
 )
 
 
-def agree(comm, error, shapes=None, strategy="auto", scale=0.0, positions=False):
+def check_finite(q, k, v):
+    """Raise if q, k or v holds NaN or Inf (validate mode: reads K/V once more)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.size and not np.isfinite(x).all():
+            raise ValueError(f"{name} contains NaN or Inf")
+
+
+def checksum(q):
+    """Return a cheap checksum (CRC-32) of q's bytes, to check every rank has the same q."""
+    return zlib.crc32(np.ascontiguousarray(q).view(np.uint8))
+
+
+def agree(
+    comm,
+    error,
+    shapes=None,
+    strategy="auto",
+    scale=0.0,
+    *,
+    node_size=0,
+    deterministic=False,
+    q_sum=0,
+):
     """Make every rank agree on the problem in one small collective, or raise on all.
 
     ``error`` is this rank's local validation exception (or None). Raises on every
     rank when any rank failed locally or when the fields in ``_FIELDS`` differ.
     """
     size = comm.Get_size()
-    if shapes is None:
+    if shapes is None or error is not None:  # a failed rank's fields may be unresolved
         sig = [0] * len(_FIELDS)
     else:
         sig = [
@@ -154,7 +179,9 @@ def agree(comm, error, shapes=None, strategy="auto", scale=0.0, positions=False)
             _FLOATS.index(shapes.dtype),
             STRATEGIES.index(strategy),
             int(np.float64(scale).view(np.int64)),
-            int(positions),
+            node_size,
+            int(deterministic),
+            q_sum,
         ]
     bad = comm.Get_rank() if error is not None else size
     buf = np.array([bad, *sig, *(-s for s in sig)], dtype=np.int64)

@@ -8,7 +8,7 @@ from numpy.testing import assert_allclose
 import mpitree
 
 NPROCS = [1, 2, 3, 4]
-STRATEGIES = ["allreduce", "allreduce3", "allgather", "ring", "auto"]
+STRATEGIES = ["allreduce", "allreduce3", "allgather", "ring", "hierarchical", "auto"]
 
 
 def shard_sizes(kind, p):
@@ -42,6 +42,8 @@ def run_case(strategy, sizes, seed=0, **kw):
     comm = world()
     prob = make_problem(seed, sizes, **kw)
     k, v, extra = prob.shard(comm.rank)
+    if strategy == "hierarchical":
+        extra["node_size"] = 2  # virtual nodes of 2 ranks: p=3 gives nodes of 2 and 1
     out, lse = mpitree.tree_decode(
         prob.q, k, v, scale=prob.scale, strategy=strategy, return_lse=True, **extra
     )
@@ -118,7 +120,7 @@ def test_strategies_agree_with_each_other():
         11, shard_sizes("uneven", comm.size), batch=2, q_len=3, positions=True, mask="shared"
     )
     k, v, kw = prob.shard(comm.rank)
-    outs = [mpitree.tree_decode(prob.q, k, v, strategy=s, **kw) for s in STRATEGIES]
+    outs = [mpitree.tree_decode(prob.q, k, v, strategy=s, node_size=2, **kw) for s in STRATEGIES]
     for o in outs[1:]:
         assert_allclose(o, outs[0], atol=1e-6, rtol=0)
 

@@ -35,7 +35,14 @@ def test_import_pulls_in_no_framework():
 def test_public_api():
     for name in mpitree.__all__:
         assert hasattr(mpitree, name), name
-    assert set(mpitree.STRATEGIES) == {"auto", "allreduce", "allreduce3", "allgather", "ring"}
+    assert set(mpitree.STRATEGIES) == {
+        "auto",
+        "allreduce",
+        "allreduce3",
+        "allgather",
+        "ring",
+        "hierarchical",
+    }
 
 
 def test_demo_runs_and_is_exact():

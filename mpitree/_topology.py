@@ -1,0 +1,71 @@
+"""Which ranks of a communicator share a node, cached on the communicator itself."""
+
+import os
+from dataclasses import dataclass
+
+from mpi4py import MPI
+
+NODE_SIZE_ENV = "MPITREE_NODE_SIZE"
+_keyval = None
+
+
+@dataclass
+class Layout:
+    """A communicator split into nodes, and the communicator of the node leaders."""
+
+    node: MPI.Intracomm  # the ranks on my node (real or virtual), leader = rank 0
+    leaders: MPI.Intracomm  # one rank per node; COMM_NULL on non-leaders
+    nodes: int
+    ranks_per_node: int  # the largest node
+
+    def free(self):
+        """Free the sub-communicators."""
+        for c in (self.node, self.leaders):
+            if c != MPI.COMM_NULL and not MPI.Is_finalized():
+                c.Free()
+
+
+def node_size(value=None):
+    """Resolve the virtual node size: the argument, else ``MPITREE_NODE_SIZE``, else 0 (real)."""
+    if value is None:
+        value = os.environ.get(NODE_SIZE_ENV, "0") or "0"
+    try:
+        value = int(value)
+    except ValueError:
+        raise ValueError(f"node size must be an integer, got {value!r}") from None
+    if value < 0:
+        raise ValueError(f"node size must be >= 0 (0: real nodes), got {value}")
+    return value
+
+
+def _delete(comm, keyval, layouts):
+    """Attribute delete callback: free the cached sub-communicators with their parent."""
+    for lay in layouts.values():
+        lay.free()
+
+
+def _build(comm, size):
+    """Split ``comm`` by node (``size`` > 0: consecutive blocks of ``size`` ranks)."""
+    rank = comm.Get_rank()
+    if size > 0:
+        node = comm.Split(color=rank // size, key=rank)
+    else:
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    leader = node.Get_rank() == 0
+    leaders = comm.Split(color=0 if leader else MPI.UNDEFINED, key=rank)
+    everyone = comm.allgather((leader, node.Get_size()))
+    return Layout(node, leaders, sum(lead for lead, _ in everyone), max(n for _, n in everyone))
+
+
+def layout(comm, size=0):
+    """Return the node layout of ``comm``; collective over ``comm`` on first use per size."""
+    global _keyval
+    if _keyval is None:
+        _keyval = MPI.Comm.Create_keyval(delete_fn=_delete)
+    cache = comm.Get_attr(_keyval)
+    if cache is None:
+        cache = {}
+        comm.Set_attr(_keyval, cache)
+    if size not in cache:
+        cache[size] = _build(comm, size)
+    return cache[size]
