@@ -23,7 +23,7 @@ WORKLOADS = {
     # the paper's benchmark block (section 6.6.1): 16 heads of dimension 128
     "paper-block": dict(q_heads=16, kv_heads=16, head_dim=128),
 }
-STRATEGIES = ("allreduce", "allreduce3", "allgather", "ring")
+STRATEGIES = ("allreduce", "allreduce3", "allgather", "hierarchical", "ring")
 DEFAULT_TOKENS = "32768,65536,131072,262144"
 QUICK_TOKENS = "2048,4096"
 
@@ -45,6 +45,12 @@ def add_arguments(parser):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument(
         "--quick", action="store_true", help=f"small run: N = {QUICK_TOKENS}, 3 steps, 1 warm-up"
+    )
+    parser.add_argument(
+        "--node-size",
+        type=int,
+        default=0,
+        help="virtual node size for the hierarchical strategy (0: real nodes)",
     )
     parser.add_argument("--json", metavar="PATH", help="write every number and the environment")
     parser.add_argument("--plot", metavar="PATH", help="draw the paper-style figure (matplotlib)")
@@ -115,7 +121,10 @@ def measure(comm, args, workload, tokens):
     q = np.random.default_rng(7).standard_normal((args.batch, hq, 1, dim), dtype=np.float32)
     k = rng.standard_normal((args.batch, hkv, int(sizes[rank]), dim), dtype=np.float32)
     v = rng.standard_normal((args.batch, hkv, int(sizes[rank]), dim), dtype=np.float32)
-    plans = {s: DecodePlan(args.batch, hq, hkv, dim, comm=comm, strategy=s) for s in STRATEGIES}
+    plans = {
+        s: DecodePlan(args.batch, hq, hkv, dim, comm=comm, strategy=s, node_size=args.node_size)
+        for s in STRATEGIES
+    }
     scratch = np.empty((args.batch, hq, 1, dim + 2), dtype=np.float32)
 
     outputs, sent, extra = {}, {}, {}

@@ -16,6 +16,12 @@ def add_arguments(parser):
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=2000, help="timed merges per method")
     parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument(
+        "--node-size",
+        type=int,
+        default=2,
+        help="virtual node size for the hierarchical strategy (0: real nodes)",
+    )
 
 
 def run(args):
@@ -27,7 +33,9 @@ def run(args):
     data[-1, 0] = -np.inf  # the error-flag row every mpitree merge carries
 
     def reducer(strategy, persistent=False):
-        red = Reducer(comm, rows, dim, np.float32, strategy, persistent=persistent)
+        red = Reducer(
+            comm, rows, dim, np.float32, strategy, persistent=persistent, node_size=args.node_size
+        )
         return red.buf, red.run
 
     plain, pybuf = data.copy(), data.copy()
@@ -46,6 +54,7 @@ def run(args):
         ),
         "allreduce3 (paper's Alg. 3)": reducer("allreduce3"),
         "allgather + local merge": reducer("allgather"),
+        f"hierarchical (nodes of {args.node_size or 'real'})": reducer("hierarchical"),
     }
     names = list(methods)
     times = np.zeros((len(names), args.iters))

@@ -18,9 +18,8 @@ def resolve_strategy(strategy, comm, node_size=0, deterministic=False):
     """Map a requested strategy to the one that runs (collective over ``comm`` for "auto").
 
     ``deterministic=True`` turns every strategy but the ring (already rank-ordered)
-    into a gather of all states merged in rank order. ``"auto"``: the native
-    all-reduce on one node, the hierarchical reduction when ranks span several
-    nodes with several ranks each; without the native op, see ``_ALLGATHER_MAX_RANKS``.
+    into a gather of all states merged in rank order; ``"auto"`` follows
+    :func:`auto_strategy` on the communicator's (cached) node layout.
     """
     if deterministic and strategy != "ring":
         return "allgather"
@@ -29,10 +28,27 @@ def resolve_strategy(strategy, comm, node_size=0, deterministic=False):
     size = comm.Get_size()
     if size == 1:
         return "allreduce"
-    if not native_op_available():
-        return "allgather" if size <= _ALLGATHER_MAX_RANKS else "allreduce3"
     lay = layout(comm, node_size)
-    return "hierarchical" if lay.nodes > 1 and lay.ranks_per_node > 1 else "allreduce"
+    ring_library = "open mpi" in MPI.Get_library_version().lower()
+    return auto_strategy(size, native_op_available(), lay.nodes, lay.ranks_per_node, ring_library)
+
+
+def auto_strategy(size, native, nodes, ranks_per_node, ring_library):
+    """Return the strategy ``"auto"`` runs (README, "Choosing a strategy").
+
+    With the native op: one all-reduce, except across several nodes of several
+    ranks under an MPI whose all-reduce for user ops is ring or Rabenseifner
+    (Open MPI's tuned component), whose many steps each cross the slow node
+    links; two levels cross them log2(nodes) times. MPICH runs recursive
+    doubling for user ops, which already crosses node links only log2(nodes)
+    times for any regular placement, so there the extra intra-node rounds of
+    two levels only cost. Without the native op: see ``_ALLGATHER_MAX_RANKS``.
+    """
+    if not native:
+        return "allgather" if size <= _ALLGATHER_MAX_RANKS else "allreduce3"
+    if nodes > 1 and ranks_per_node > 1 and ring_library:
+        return "hierarchical"
+    return "allreduce"
 
 
 class Reducer:

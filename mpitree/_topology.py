@@ -54,7 +54,7 @@ def _build(comm, size):
     leader = node.Get_rank() == 0
     leaders = comm.Split(color=0 if leader else MPI.UNDEFINED, key=rank)
     everyone = comm.allgather((leader, node.Get_size()))
-    return Layout(node, leaders, sum(lead for lead, _ in everyone), max(n for _, n in everyone))
+    return Layout(node, leaders, sum(e[0] for e in everyone), max(e[1] for e in everyone))
 
 
 def layout(comm, size=0):

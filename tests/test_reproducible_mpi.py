@@ -29,13 +29,30 @@ def test_hierarchical_any_node_layout(node_size):
 
 
 @pytest.mark.parallel(nprocs=NPROCS)
-def test_auto_picks_hierarchical_across_nodes():
-    comm = world()
+def test_auto_choice_on_virtual_nodes():
+    open_mpi = "open mpi" in MPI.Get_library_version().lower()
     with mpitree.DecodePlan(1, 4, 2, 8, node_size=2) as plan:
-        expect = "hierarchical" if comm.size > 2 else "allreduce"  # >1 node of >1 rank
-        assert plan.strategy == expect
+        several = world().size > 2  # more than one node of more than one rank
+        assert plan.strategy == ("hierarchical" if several and open_mpi else "allreduce")
     with mpitree.DecodePlan(1, 4, 2, 8) as plan:  # one real node
         assert plan.strategy == "allreduce"
+
+
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        ((8, True, 1, 8, True), "allreduce"),  # one node
+        ((16, True, 2, 8, False), "allreduce"),  # nodes, recursive doubling (MPICH)
+        ((16, True, 2, 8, True), "hierarchical"),  # nodes, ring/Rabenseifner (Open MPI)
+        ((16, True, 16, 1, True), "allreduce"),  # one rank per node: nothing to group
+        ((4, False, 1, 4, True), "allgather"),  # no native op, few ranks
+        ((64, False, 8, 8, False), "allreduce3"),  # no native op, many ranks
+    ],
+)
+def test_auto_rule(args, expect):
+    from mpitree._reduce import auto_strategy
+
+    assert auto_strategy(*args) == expect
 
 
 @pytest.mark.parallel(nprocs=NPROCS)
