@@ -87,7 +87,7 @@ def make_problem(
     if positions:
         k_pos = np.tile(np.arange(n), (batch, 1))
         # the queries are the last q_len tokens of a sequence whose length varies by row
-        ends = rng.integers(max(n - 3, q_len), n + 1, size=batch)
+        ends = rng.integers(min(max(n - 3, q_len), n), n + 1, size=batch)
         q_pos = ends[:, None] - q_len + np.arange(q_len)
     m = None
     if mask is not None:
