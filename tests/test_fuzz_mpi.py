@@ -63,10 +63,17 @@ def run_example(ex):
     try:
         prob = make_problem(ex["seed"], ex["sizes"], **ex["kw"])
         k, v, extra = prob.shard(sub.rank)
-        out, lse = mpitree.tree_decode(prob.q, k, v, sub, strategy=ex["strategy"],
-                                       node_size=ex["node_size"],
-                                       deterministic=ex["deterministic"], return_lse=True,
-                                       **extra)
+        out, lse = mpitree.tree_decode(
+            prob.q,
+            k,
+            v,
+            sub,
+            strategy=ex["strategy"],
+            node_size=ex["node_size"],
+            deterministic=ex["deterministic"],
+            return_lse=True,
+            **extra,
+        )
         ref, ref_lse = prob.reference()
         tol = atol(prob.q.dtype) * max(1.0, ex["kw"]["logit"] / 3)
         err = float(np.abs(out.astype(np.float64) - ref).max(initial=0))
@@ -81,9 +88,14 @@ def run_example(ex):
 
 
 @pytest.mark.parallel(nprocs=[1, 2, 3, 4])
-@settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
-          phases=[Phase.explicit, Phase.generate, Phase.shrink],
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=EXAMPLES,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    phases=[Phase.explicit, Phase.generate, Phase.shrink],
+    suppress_health_check=list(HealthCheck),
+)
 @given(ex=problems())
 def test_fuzz_against_float64_reference(ex):
     ok, message = run_example(ex)
