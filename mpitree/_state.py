@@ -125,13 +125,15 @@ class State:
         np.divide(self.n, d, out=out, where=d != 0)  # NaN states stay NaN, never 0
         return out if dtype is None else out.astype(dtype, copy=False)
 
-    def lse(self, *, base="e"):
-        """Return the log-sum-exp ``m + log(d)``, ``(...)``, float32; -inf for empty rows.
+    def lse(self, *, base="e", dtype=np.float32):
+        """Return the log-sum-exp ``m + log(d)``, ``(...)``; -inf for empty rows.
 
         Parameters
         ----------
         base : {"e", 2}, optional
             Natural log (default) or base 2.
+        dtype : numpy dtype, optional
+            Result dtype, float32 by default (computed in the records' dtype).
         """
         d = self.d
         lse = np.full(d.shape, -np.inf, dtype=self.records.dtype)
@@ -141,7 +143,7 @@ class State:
             lse /= _LN2
         elif base != "e":
             raise ValueError(f"base must be 'e' or 2, got {base!r}")
-        return lse.astype(np.float32)
+        return lse.astype(dtype, copy=False)
 
     def __repr__(self):
         return f"State(shape={self.shape}, head_dim={self.head_dim}, dtype={self.records.dtype})"
