@@ -124,7 +124,7 @@ def test_distributed_energy_and_gradient(algorithm, kw):
     free_energy(
         *(torch.from_numpy(x) for x in (prob.q, prob.k, prob.v)),
         zt,
-        mask=torch.from_numpy(np.broadcast_to(visible, energy.shape + (sum(prob.sizes),)).copy()),
+        mask=torch.from_numpy(np.broadcast_to(visible, (*energy.shape, sum(prob.sizes))).copy()),
     ).sum().backward()
     assert_allclose(grad, zt.grad.numpy(), atol=1e-12)
     # at zeta = 0 the energy path is exactly tree_decode's lse and output
