@@ -200,6 +200,57 @@ class DecodePlan:
         )
 
 
+def checked_call(
+    comm,
+    q,
+    k,
+    v,
+    *,
+    scale,
+    kv_len,
+    q_pos,
+    k_pos,
+    mask,
+    strategy="auto",
+    node_size=None,
+    deterministic=False,
+    validate=False,
+    extra=None,
+):
+    """Validate one call's inputs locally, then agree across ranks (raising on all ranks).
+
+    ``extra``, if given, is one more local check (raising TypeError/ValueError).
+    Returns the resolved ``(comm, shapes, scale, node_size)``. One small collective.
+    """
+    comm = default_comm() if comm is None else comm
+    check_comm(comm)
+    error = shapes = None
+    try:
+        check_strategy(strategy)
+        shapes = check_shapes(q, k, v)
+        check_masking(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
+        scale = resolve_scale(scale, shapes.head_dim)
+        node_size = resolve_node_size(node_size)
+        if validate:
+            check_finite(q, k, v)
+        if extra is not None:
+            extra()
+    except (TypeError, ValueError) as exc:
+        error = exc
+    q_sum = checksum(q) if validate and error is None else 0
+    agree(
+        comm,
+        error,
+        shapes,
+        strategy,
+        scale,
+        node_size=node_size,
+        deterministic=deterministic,
+        q_sum=q_sum,
+    )
+    return comm, shapes, scale, node_size
+
+
 def tree_decode(
     q,
     k,
@@ -278,29 +329,20 @@ def tree_decode(
     --------
     >>> out = mpitree.tree_decode(q, k_shard, v_shard)  # doctest: +SKIP
     """
-    comm = default_comm() if comm is None else comm
-    check_comm(comm)
-    error = shapes = None
-    try:
-        check_strategy(strategy)
-        shapes = check_shapes(q, k, v)
-        check_masking(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
-        scale = resolve_scale(scale, shapes.head_dim)
-        node_size = resolve_node_size(node_size)
-        if validate:
-            check_finite(q, k, v)
-    except (TypeError, ValueError) as exc:
-        error = exc
-    q_sum = checksum(q) if validate and error is None else 0
-    agree(
+    comm, shapes, scale, node_size = checked_call(
         comm,
-        error,
-        shapes,
-        strategy,
-        scale,
+        q,
+        k,
+        v,
+        scale=scale,
+        kv_len=kv_len,
+        q_pos=q_pos,
+        k_pos=k_pos,
+        mask=mask,
+        strategy=strategy,
         node_size=node_size,
         deterministic=deterministic,
-        q_sum=q_sum,
+        validate=validate,
     )
     plan = DecodePlan._agreed(comm, shapes, scale, strategy, node_size, deterministic)
     with plan:

@@ -25,10 +25,8 @@ import sys
 import numpy as np
 
 from ._local import attend, visibility
-from ._plan import allreduce_state
-from ._runtime import default_comm
+from ._plan import allreduce_state, checked_call
 from ._state import State
-from ._validate import agree, check_comm, check_masking, check_shapes, resolve_scale
 
 __all__ = ["attention_variance", "free_energy", "tree_energy"]
 
@@ -243,19 +241,24 @@ def _rows(a, hq):
 
 
 def _prepare(q, k, v, comm, zeta, scale, kv_len, q_pos, k_pos, mask):
-    """Validate locally, agree across ranks, and return what the local pass needs."""
-    comm = default_comm() if comm is None else comm
-    check_comm(comm)
-    error = shapes = None
-    try:
-        shapes = check_shapes(q, k, v)
-        check_masking(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
-        scale = resolve_scale(scale, shapes.head_dim)
-        if zeta is not None and np.shape(zeta) != q.shape:
-            raise ValueError(f"zeta must have q's shape {q.shape}, got {np.shape(zeta)}")
-    except (TypeError, ValueError) as exc:
-        error = exc
-    agree(comm, error, shapes, "allreduce", scale)
+    """Validate and agree across ranks; return what the local pass needs."""
+
+    def zeta_shape():
+        if zeta is not None and np.shape(zeta) != np.shape(q):
+            raise ValueError(f"zeta must have q's shape {np.shape(q)}, got {np.shape(zeta)}")
+
+    comm, shapes, scale, _ = checked_call(
+        comm,
+        q,
+        k,
+        v,
+        scale=scale,
+        kv_len=kv_len,
+        q_pos=q_pos,
+        k_pos=k_pos,
+        mask=mask,
+        extra=zeta_shape,
+    )
     lens, vis = visibility(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
     acc = np.dtype(np.float64 if q.dtype == np.float64 else np.float32)
     return comm, shapes, scale, lens, vis, acc
