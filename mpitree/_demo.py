@@ -11,7 +11,7 @@ from ._plan import DecodePlan
 from ._reference import reference_attention
 from ._runtime import default_comm
 
-STRATEGY_ORDER = ("allreduce", "allreduce3", "allgather", "ring")
+STRATEGY_ORDER = ("allreduce", "allreduce3", "allgather", "hierarchical", "ring")
 
 
 def shard_sizes(tokens, p):

@@ -64,7 +64,7 @@ def test_demo_runs_and_is_exact():
         ],
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    for name in ("local only", "allreduce", "allreduce3", "allgather", "ring"):
+    for name in ("local only", "allreduce", "allreduce3", "allgather", "hierarchical", "ring"):
         assert name in res.stdout
 
 
