@@ -171,6 +171,6 @@ def test_attention_variance_is_the_covariance_of_v(full):
 @pytest.mark.parallel(nprocs=[1, 2])
 def test_bad_zeta_raises_on_every_rank():
     q, k, v = qkv(12)
-    zeta = np.zeros(q.shape[:-1] + (9,)) if world().rank == world().size - 1 else None
+    zeta = np.zeros((*q.shape[:-1], 9)) if world().rank == world().size - 1 else None
     with pytest.raises(ValueError):
         tree_energy(q, k, v, zeta=zeta)
