@@ -6,7 +6,7 @@ over its own keys; the states merge associatively across ranks in one
 log throughout.
 """
 
-from . import model
+from . import energy, model, spec
 from ._local import local_state
 from ._op import native_op_available
 from ._plan import DecodePlan, allreduce_state, tree_decode
@@ -25,10 +25,12 @@ __all__ = [
     "allreduce_state",
     "combine",
     "default_comm",
+    "energy",
     "local_state",
     "model",
     "native_op_available",
     "reference_attention",
     "set_blas_threads",
+    "spec",
     "tree_decode",
 ]
