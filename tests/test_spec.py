@@ -85,7 +85,7 @@ def test_pack_properties(beam):
         assert n == len(truth[bi])  # one node per distinct prefix
         assert np.array_equal(p.tokens[bi][p.unpack_map[bi]], beam[bi])
         assert p.unpack_map[bi].max() < n  # never points at padding
-        nodes = [tuple(beam[bi].reshape(-1)[:0]) for _ in range(n)]
+        nodes = [None] * n  # the prefix (tuple of tokens) each packed slot stands for
         for i in range(n):
             mi, ci = divmod(int(p.token_indices[bi, i]), c)
             nodes[i] = tuple(beam[bi, mi, : ci + 1])
