@@ -9,6 +9,13 @@ from mpi4py import MPI
 
 STRATEGIES = ("auto", "allreduce", "allreduce3", "allgather", "ring", "hierarchical")
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+# dtype names in the agreement signature: numpy's and the adapters' (torch.bfloat16 ...)
+_DTYPE_NAMES = ("float16", "float32", "float64", "bfloat16")
+
+
+def dtype_name(dtype):
+    """Return the plain name of a numpy or framework float dtype ("float32", "bfloat16")."""
+    return str(dtype).rsplit(".", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -30,7 +37,7 @@ class Shapes:
     @property
     def acc_dtype(self):
         """Accumulation dtype: float64 for float64 inputs, float32 otherwise."""
-        return np.dtype(np.float64 if self.dtype == np.float64 else np.float32)
+        return np.dtype(np.float64 if dtype_name(self.dtype) == "float64" else np.float32)
 
 
 def _array(name, x, ndim):
@@ -176,7 +183,7 @@ def agree(
             shapes.kv_heads,
             shapes.q_len,
             shapes.head_dim,
-            _FLOATS.index(shapes.dtype),
+            _DTYPE_NAMES.index(dtype_name(shapes.dtype)),
             STRATEGIES.index(strategy),
             int(np.float64(scale).view(np.int64)),
             node_size,

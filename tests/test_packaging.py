@@ -127,3 +127,10 @@ def test_blas_threads_divided_among_ranks(env, expect):
         info = json.loads(line)
         want = max(1, info["cores"] // 2) if expect == "split" else expect
         assert info["blas"] and set(info["blas"]) == {want}, line
+
+
+def test_torch_example():
+    pytest.importorskip("torch")
+    res = run(3, [sys.executable, "examples/torch_decode.py"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert float(res.stdout.split("= ")[-1]) < 2e-3  # bf16 output rounding
