@@ -19,9 +19,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError("mpitree.adapters.torch needs PyTorch: pip install 'mpitree[torch]'") from exc
 
 from mpitree import State, allreduce_state
+from mpitree._plan import checked_call
 from mpitree._plan import tree_decode as _numpy_tree_decode
-from mpitree._runtime import default_comm
-from mpitree._validate import STRATEGIES, Shapes, agree, check_comm
+from mpitree._validate import Shapes
 
 __all__ = ["cuda_aware", "local_state", "tree_decode"]
 
@@ -178,19 +178,23 @@ def tree_decode(
     lse : torch.Tensor
         ``(B, Hq, Sq)`` float32, natural log, on q's device (with ``return_lse``).
     """
-    comm = default_comm() if comm is None else comm
-    check_comm(comm)
-    error = shapes = None
-    try:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        b, hq, hkv, sq, d = _check(q, k, v, kv_len, q_pos, k_pos, mask)
-        shapes = Shapes(b, hq, hkv, sq, d, q.dtype)
-        scale = 1.0 / d**0.5 if scale is None else float(scale)
-    except (TypeError, ValueError) as exc:
-        error = exc
-    agree(
-        comm, error, shapes, strategy, scale if error is None else 0.0, deterministic=deterministic
+
+    def inspect():
+        return Shapes(*_check(q, k, v, kv_len, q_pos, k_pos, mask), q.dtype)
+
+    comm, _, scale, _ = checked_call(
+        comm,
+        q,
+        k,
+        v,
+        scale=scale,
+        kv_len=kv_len,
+        q_pos=q_pos,
+        k_pos=k_pos,
+        mask=mask,
+        strategy=strategy,
+        deterministic=deterministic,
+        inspect=inspect,
     )
     if strategy == "ring":  # the baseline moves K/V: hand numpy (host) copies to the core
         host = [None if x is None else x.detach().cpu() for x in (q, k, v)]

@@ -80,20 +80,25 @@ class DecodePlan:
         deterministic=False,
         validate=False,
     ):
-        comm = default_comm() if comm is None else comm
-        check_comm(comm)
-        error = shapes = None
-        try:
-            check_strategy(strategy)
+        def inspect():
             q = np.empty((batch, q_heads, q_len, head_dim), dtype=dtype)
             kv = np.empty((batch, kv_heads, 0, head_dim), dtype=dtype)
-            shapes = check_shapes(q, kv, kv)
-            scale = resolve_scale(scale, head_dim)
-            node_size = resolve_node_size(node_size)
-        except (TypeError, ValueError) as exc:
-            error = exc
-        agree(
-            comm, error, shapes, strategy, scale, node_size=node_size, deterministic=deterministic
+            return check_shapes(q, kv, kv)
+
+        comm, shapes, scale, node_size = checked_call(
+            comm,
+            None,
+            None,
+            None,
+            scale=scale,
+            kv_len=None,
+            q_pos=None,
+            k_pos=None,
+            mask=None,
+            strategy=strategy,
+            node_size=node_size,
+            deterministic=deterministic,
+            inspect=inspect,
         )
         self._setup(comm, shapes, scale, strategy, node_size, deterministic, validate, True)
 
@@ -216,19 +221,26 @@ def checked_call(
     deterministic=False,
     validate=False,
     extra=None,
+    inspect=None,
 ):
     """Validate one call's inputs locally, then agree across ranks (raising on all ranks).
 
-    ``extra``, if given, is one more local check (raising TypeError/ValueError).
-    Returns the resolved ``(comm, shapes, scale, node_size)``. One small collective.
+    ``inspect()``, if given, validates the inputs and returns their :class:`Shapes`
+    (for plans and framework adapters); by default q, k, v and the masking
+    arguments are checked as numpy arrays. ``extra``, if given, is one more local
+    check. Both raise TypeError/ValueError. Returns the resolved
+    ``(comm, shapes, scale, node_size)``. One small collective.
     """
     comm = default_comm() if comm is None else comm
     check_comm(comm)
     error = shapes = None
     try:
         check_strategy(strategy)
-        shapes = check_shapes(q, k, v)
-        check_masking(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
+        if inspect is not None:
+            shapes = inspect()
+        else:
+            shapes = check_shapes(q, k, v)
+            check_masking(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
         scale = resolve_scale(scale, shapes.head_dim)
         node_size = resolve_node_size(node_size)
         if validate:
