@@ -196,6 +196,15 @@ def tree_decode(
         deterministic=deterministic,
         inspect=inspect,
     )
+    return _decode_checked(
+        q, k, v, comm, scale, kv_len, q_pos, k_pos, mask, strategy, deterministic, return_lse
+    )
+
+
+def _decode_checked(
+    q, k, v, comm, scale, kv_len, q_pos, k_pos, mask, strategy, deterministic, return_lse
+):
+    """Run :func:`tree_decode` on inputs every rank has validated and agreed on."""
     if strategy == "ring":  # the baseline moves K/V: hand numpy (host) copies to the core
         host = [None if x is None else x.detach().cpu() for x in (q, k, v)]
         acc = _acc(q.dtype)
@@ -213,6 +222,11 @@ def tree_decode(
     records = _merge(
         _records(q, k, v, scale, kv_len, q_pos, k_pos, mask), comm, strategy, deterministic
     )
+    return _finish(records, q, return_lse)
+
+
+def _finish(records, q, return_lse):
+    """Turn merged ``(B, Hq, Sq, D + 2)`` records into q's dtype and device (and the lse)."""
     n, den = records[..., 2:], records[..., 1:2]
     out = torch.where(
         den != 0, n / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(n)

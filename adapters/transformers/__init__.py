@@ -1,0 +1,55 @@
+"""mpitree inside Hugging Face transformers: decode with the KV cache sharded over ranks.
+
+Importing this module registers an attention implementation named ``"mpitree"``
+with transformers' ``AttentionInterface`` and its mask function with
+``AttentionMaskInterface``. Every rank loads the same model and runs the same
+``generate``; a :class:`ShardedCache` keeps each rank's share of the tokens, and
+each attention call merges the ranks' partial (m, d, n) states with the tree
+reduction, so the outputs equal one process's::
+
+    import mpitree.adapters.transformers as mtt
+
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="mpitree")
+    cache = mtt.ShardedCache(model.config)          # placement="interleave"
+    mtt.prefill(model, input_ids, cache)            # optional: shard the prompt's work
+    out = model.generate(input_ids, past_key_values=cache, do_sample=False)
+
+Queries are computed on every rank (the dense layers are replicated); only the
+attention over the cache is split. Under :func:`prefill` the dense work of the
+prompt is split too. Importing this module imports torch and transformers;
+``import mpitree`` never does.
+"""
+
+try:
+    import transformers
+except ImportError as exc:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "mpitree.adapters.transformers needs transformers: pip install transformers"
+    ) from exc
+
+from ._attention import ShardMask, attention_interface, mask_interface
+from ._cache import PLACEMENTS, ShardedCache
+from ._prefill import prefill
+from ._spec import verify
+
+__all__ = [
+    "PLACEMENTS",
+    "ShardMask",
+    "ShardedCache",
+    "attention_interface",
+    "mask_interface",
+    "prefill",
+    "register",
+    "verify",
+]
+
+NAME = "mpitree"
+
+
+def register():
+    """Register ``"mpitree"`` with transformers' attention and mask interfaces (idempotent)."""
+    transformers.AttentionInterface.register(NAME, attention_interface)
+    transformers.masking_utils.AttentionMaskInterface.register(NAME, mask_interface)
+
+
+register()

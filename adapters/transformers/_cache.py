@@ -1,0 +1,260 @@
+"""ShardedCache: a transformers ``Cache`` whose layers keep one rank's shard of K/V."""
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from mpi4py import MPI
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from mpitree import STRATEGIES, default_comm
+from mpitree._validate import check_comm
+
+PLACEMENTS = ("interleave", "last")
+
+
+@dataclass
+class Sharding:
+    """Which rank stores which global token, shared by all layers of one cache."""
+
+    comm: MPI.Intracomm
+    placement: str
+    block_size: int
+    strategy: str
+    deterministic: bool
+    rank: int = field(init=False)
+    size: int = field(init=False)
+    # the :class:`~._prefill.Prefill` step while :func:`prefill` runs this rank's chunk
+    pending: object = None
+
+    def __post_init__(self):
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+
+    def owners(self, start, stop, prompt):
+        """Owning rank of global tokens ``start..stop-1``; ``prompt`` tokens came first."""
+        idx = torch.arange(start, stop)
+        if self.placement == "interleave":
+            return (idx // self.block_size) % self.size
+        # "last": the prompt in contiguous, even chunks; every later token on the last rank
+        chunk = torch.div(idx * self.size, max(prompt, 1), rounding_mode="floor")
+        return torch.where(idx < prompt, chunk, torch.full_like(idx, self.size - 1))
+
+    def mine(self, start, stop, prompt):
+        """Global indices in ``start..stop-1`` this rank stores (int64, ascending)."""
+        idx = torch.arange(start, stop)
+        return idx[self.owners(start, stop, prompt) == self.rank]
+
+
+@dataclass
+class View:
+    """What the attention function needs about one layer's step: attached to its keys."""
+
+    layer: "ShardedLayer"
+    queries: torch.Tensor  # (Sq,) int64 global indices of the queries this rank attends for
+    sharded: bool  # True under :func:`prefill`: queries are every rank's chunk, rank-major
+
+
+class ShardedLayer(CacheLayerMixin):
+    """One layer's shard: keys/values ``(B, Hkv, T_local, D)`` and their global indices."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, sharding):
+        super().__init__()
+        self.sharding = sharding
+        self.length = 0  # global tokens seen by this layer, on all ranks together
+        self.prompt = 0  # tokens of the first step ("last" placement splits them evenly)
+        self.positions = torch.empty(0, dtype=torch.long)
+
+    def lazy_initialization(self, key_states, value_states):
+        """Create empty shards with the states' batch, heads, dim, dtype and device."""
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[:, :, :0].clone()
+        self.values = value_states[:, :, :0].clone()
+        self.positions = self.positions.to(self.device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Store the new tokens this rank owns; return the shard with its :class:`View`."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        step = self.sharding.pending
+        if step is not None:  # sharded prefill: every incoming token is this rank's
+            if self.length or new != max(step.mine.numel(), 1):  # 1: a stand-in token
+                raise ValueError(f"prefill: got {new} new tokens, expected {step.mine.numel()}")
+            stop, self.prompt = step.total, step.total
+            queries, owned = step.queries, step.mine
+            take = None
+        else:
+            stop = self.length + new
+            if self.length == 0:
+                self.prompt = stop
+            queries = torch.arange(self.length, stop)
+            keep = self.sharding.owners(self.length, stop, self.prompt) == self.sharding.rank
+            owned = queries[keep]
+            take = keep.nonzero()[:, 0].to(self.device)
+        if owned.numel():
+            k = key_states if take is None else key_states.index_select(2, take)
+            v = value_states if take is None else value_states.index_select(2, take)
+            self.keys = torch.cat([self.keys, k], dim=-2)
+            self.values = torch.cat([self.values, v], dim=-2)
+            self.positions = torch.cat([self.positions, owned.to(self.device)])
+        self.length = stop
+        self.keys.mpitree_view = View(self, queries.to(self.device), step is not None)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length):
+        """Global key count and offset the step's mask must cover."""
+        step = self.sharding.pending
+        return (step.total if step is not None else self.length + query_length), 0
+
+    def get_seq_length(self):
+        """Global number of cached tokens (all ranks' shards together)."""
+        return self.length
+
+    def get_max_length(self):
+        """No maximum: shards grow dynamically."""
+        return -1
+
+    def crop(self, tokens_to_remove):
+        """Drop the last ``-tokens_to_remove`` global tokens (negative, as transformers passes)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of tokens to remove")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self.length = max(self.length + tokens_to_remove, 0)
+        keep = self.positions < self.length
+        self.keys, self.values = self.keys[:, :, keep], self.values[:, :, keep]
+        self.positions = self.positions[keep]
+
+    def reset(self):
+        """Forget every token."""
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.length = self.prompt = 0
+        self.positions = torch.empty(0, dtype=torch.long)
+
+
+class ShardedCache(Cache):
+    """A transformers ``Cache`` holding this rank's shard of every layer's K/V.
+
+    Use with ``attn_implementation="mpitree"`` (see :mod:`mpitree.adapters.transformers`):
+    every rank runs the same model on the same inputs; each stores only the tokens
+    its placement assigns it, and attention merges the ranks' partial states with
+    the tree reduction. ``get_seq_length`` reports the global length, so masks,
+    positions and ``generate`` see the whole sequence.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig, optional
+        The model's config; sizes the layer list up front (otherwise grown lazily).
+    comm : mpi4py.MPI.Intracomm, optional
+        Defaults to :func:`mpitree.default_comm`.
+    placement : {"interleave", "last"}
+        ``"interleave"`` (default): blocks of ``block_size`` tokens round-robin
+        over ranks, balanced at every length. ``"last"``: the first step (the
+        prompt) in contiguous even chunks, every later token on the last rank, as
+        in the tree attention paper's code; unbalanced as generation goes on.
+    block_size : int
+        Tokens per block for ``"interleave"``.
+    strategy : str
+        The merge strategy (one of :data:`mpitree.STRATEGIES`) for every step.
+    deterministic : bool
+        As in :func:`mpitree.tree_decode`.
+    world_size : int, optional
+        The number of ranks this cache is meant for; checked against ``comm``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank, when any rank's arguments are invalid or differ from the
+        others' (one small collective at construction).
+    """
+
+    def __init__(
+        self,
+        config=None,
+        *,
+        comm=None,
+        placement="interleave",
+        block_size=64,
+        strategy="auto",
+        deterministic=False,
+        world_size=None,
+    ):
+        comm = default_comm() if comm is None else comm
+        check_comm(comm)
+        error = None
+        try:
+            if placement not in PLACEMENTS:
+                raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+            if not isinstance(block_size, int) or block_size < 1:
+                raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+            if strategy not in STRATEGIES:
+                raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+            if world_size is not None and world_size != comm.Get_size():
+                raise ValueError(
+                    f"this ShardedCache was made for world_size={world_size}, but the "
+                    f"communicator has {comm.Get_size()} ranks"
+                )
+        except ValueError as exc:
+            error = exc
+        _agree(comm, error, (placement, block_size, strategy, bool(deterministic)))
+        layers = int(getattr(config, "num_hidden_layers", 0) or 0) if config is not None else 0
+        self.sharding = Sharding(comm, placement, block_size, strategy, bool(deterministic))
+        super().__init__(layers=[ShardedLayer(self.sharding) for _ in range(layers)])
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Store this rank's share of the new K/V for ``layer_idx``; return the shard."""
+        while len(self.layers) <= layer_idx:
+            self.layers.append(ShardedLayer(self.sharding))
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    @property
+    def comm(self):
+        """The communicator the shards are spread over."""
+        return self.sharding.comm
+
+    @property
+    def strategy(self):
+        """The merge strategy of the next steps; settable (every rank must set the same)."""
+        return self.sharding.strategy
+
+    @strategy.setter
+    def strategy(self, value):
+        if value not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {value!r}")
+        self.sharding.strategy = value
+
+    def local_length(self, layer_idx=0):
+        """Return how many tokens this rank stores for ``layer_idx``."""
+        if layer_idx >= len(self.layers):
+            return 0
+        return int(self.layers[layer_idx].positions.numel())
+
+    @contextmanager
+    def _prefilling(self, step):
+        """While active, every layer's update stores this rank's chunk of ``step``."""
+        self.sharding.pending = step
+        try:
+            yield
+        finally:
+            self.sharding.pending = None
+
+
+def _agree(comm, error, settings):
+    """Raise on every rank if any rank failed or the ranks' cache settings differ."""
+    mine = repr(error) if error is not None else None
+    gathered = comm.allgather((mine, settings))
+    for rank, (err, _) in enumerate(gathered):
+        if err is not None:
+            if error is not None:
+                raise error
+            raise ValueError(f"ShardedCache: invalid arguments on rank {rank}: {err}")
+    if any(s != settings for _, s in gathered):
+        raise ValueError(
+            "ShardedCache: ranks disagree on (placement, block_size, strategy, deterministic): "
+            + ", ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(gathered))
+        )
