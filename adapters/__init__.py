@@ -1,6 +1,8 @@
 """Framework adapters for mpitree, installed as ``mpitree.adapters``.
 
 - ``mpitree.adapters.torch``: :func:`tree_decode` for torch tensors on CPU or CUDA.
+- ``mpitree.adapters.transformers``: ``attn_implementation="mpitree"`` and a
+  ``ShardedCache`` for Hugging Face models.
 
 Each adapter is a submodule that imports its framework only when the submodule
 itself is imported; ``import mpitree`` never does. The core works on numpy arrays;
