@@ -112,6 +112,37 @@ def test_generate_equals_single_process_eager(placement, strategy, padded, shard
     assert cache.get_seq_length() == total
 
 
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("family", ["qwen2", "mistral-window-6"])
+def test_other_model_families_through_the_same_interface(family):
+    """Qwen2 (biased projections), and Mistral with a sliding window that bites."""
+    torch.manual_seed(0)
+    shape = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    if family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape)).eval()
+    else:
+        cfg = transformers.MistralConfig(sliding_window=6, **shape)
+        model = transformers.MistralForCausalLM(cfg).eval()
+    ids, mask = prompt(21, True)
+    ref = generate(model, ids, mask, "eager")
+    got = generate(model, ids, mask, "mpitree", mtt.ShardedCache(model.config, block_size=4))
+    assert torch.equal(got.sequences, ref.sequences)
+    ours = torch.stack(got.logits, 1)
+    assert_allclose(ours.numpy(), torch.stack(ref.logits, 1).numpy(), atol=LOGIT_ATOL, rtol=0)
+    if family != "qwen2":  # the window changed the result: it really was applied
+        model.config.sliding_window = None
+        unwindowed = torch.stack(generate(model, ids, mask, "eager").logits, 1)
+        assert (unwindowed - ours).abs().max() > 1e-2
+
+
 @pytest.mark.parallel(nprocs=[3, 4])
 def test_sharded_prefill_with_ranks_that_own_no_prompt_token():
     model = tiny_llama()
@@ -195,6 +226,21 @@ def test_ranks_disagreeing_on_placement_raise_on_every_rank():
     placement = mtt.PLACEMENTS[world().rank % 2]
     with pytest.raises(ValueError, match="ranks disagree"):
         mtt.ShardedCache(placement=placement)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_ranks_diverging_mid_generation_raise_on_every_rank():
+    """Each model step re-agrees: a strategy changed on one rank only is caught."""
+    model = tiny_llama()
+    ids, _ = prompt(9, False)
+    cache = mtt.ShardedCache(model.config, block_size=4, strategy="allreduce")
+    model.set_attn_implementation("mpitree")
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        if world().rank == 0:
+            cache.strategy = "ring"
+        with pytest.raises(ValueError, match="ranks disagree on strategy"):
+            model(ids[:, :1], past_key_values=cache)
 
 
 @pytest.mark.parallel(nprocs=[2])

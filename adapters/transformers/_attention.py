@@ -6,7 +6,7 @@ import torch
 from transformers.masking_utils import and_masks, padding_mask_function, prepare_padding_mask
 
 from mpitree._plan import checked_call
-from mpitree._validate import Shapes
+from mpitree._validate import Shapes, resolve_scale
 
 from .. import torch as mt
 from ._prefill import sharded_attention
@@ -51,7 +51,7 @@ def mask_interface(
 ):
     """Return the step's :class:`ShardMask` (transformers' ``AttentionMaskInterface`` entry)."""
     if use_vmap:
-        raise NotImplementedError(
+        raise ValueError(
             "attn_implementation='mpitree' supports index-based mask functions only "
             "(no or_mask_function / and_mask_function overlays)"
         )
@@ -133,7 +133,8 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
     dropout : float
         Must be 0 (inference only).
     **kw
-        transformers' extra arguments; ``sliding_window`` and ``softcap`` must be None.
+        transformers' extra arguments. ``softcap`` must be None; a
+        ``sliding_window`` is applied through the mask transformers builds for it.
 
     Returns
     -------
@@ -149,9 +150,11 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
         )
     if dropout:
         raise ValueError("attn_implementation='mpitree' is for inference: dropout must be 0")
-    for name in ("sliding_window", "softcap"):
-        if kw.get(name) is not None:
-            raise ValueError(f"attn_implementation='mpitree' does not support {name}")
+    if kw.get("softcap") is not None:
+        raise ValueError("attn_implementation='mpitree' does not support softcap")
+    if kw.get("sliding_window") is not None and attention_mask is None:
+        # a window is honoured through the mask, which transformers builds with it
+        raise ValueError("attn_implementation='mpitree' needs a mask for sliding_window")
     sharding = view.layer.sharding
     keep = None
 
@@ -167,20 +170,36 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
             )
         return shapes
 
-    comm, _, scale, _ = checked_call(
-        sharding.comm,
-        query,
-        key,
-        value,
-        scale=scaling,
-        kv_len=None,
-        q_pos=None,
-        k_pos=None,
-        mask=None,
-        strategy=sharding.strategy,
-        deterministic=sharding.deterministic,
-        inspect=inspect,
+    # One agreement per model step: the first layer's. Later layers with the same
+    # signature reuse it, so a decode step pays local attention and one merge per
+    # layer, plus one small collective per step.
+    signature = (
+        tuple(query.shape),
+        tuple(key.shape[:2]),
+        query.dtype,
+        scaling,
+        sharding.strategy,
+        view.sharded,
     )
+    if signature == sharding.agreed:
+        inspect()
+        comm, scale = sharding.comm, resolve_scale(scaling, query.shape[-1])
+    else:
+        comm, _, scale, _ = checked_call(
+            sharding.comm,
+            query,
+            key,
+            value,
+            scale=scaling,
+            kv_len=None,
+            q_pos=None,
+            k_pos=None,
+            mask=None,
+            strategy=sharding.strategy,
+            deterministic=sharding.deterministic,
+            inspect=inspect,
+        )
+        sharding.agreed = signature
     if view.sharded:
         out = sharded_attention(query, key, value, scale, keep, view, local_records)
     elif sharding.strategy == "ring":

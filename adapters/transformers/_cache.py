@@ -26,6 +26,8 @@ class Sharding:
     size: int = field(init=False)
     # the :class:`~._prefill.Prefill` step while :func:`prefill` runs this rank's chunk
     pending: object = None
+    # the attention signature all ranks agreed on in this model step (None: not yet)
+    agreed: tuple | None = None
 
     def __post_init__(self):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
@@ -208,6 +210,8 @@ class ShardedCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Store this rank's share of the new K/V for ``layer_idx``; return the shard."""
+        if layer_idx == 0:  # a new model step: its first attention agrees afresh
+            self.sharding.agreed = None
         while len(self.layers) <= layer_idx:
             self.layers.append(ShardedLayer(self.sharding))
         return self.layers[layer_idx].update(key_states, value_states)
