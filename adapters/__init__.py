@@ -1,6 +1,8 @@
 """Framework adapters for mpitree, installed as ``mpitree.adapters``.
 
 - ``mpitree.adapters.torch``: :func:`tree_decode` for torch tensors on CPU or CUDA.
+- ``mpitree.adapters.flash_attn``: local attention from ``flash_attn_with_kvcache``
+  (contiguous or paged KV cache), merged by the tree.
 - ``mpitree.adapters.transformers``: ``attn_implementation="mpitree"`` and a
   ``ShardedCache`` for Hugging Face models.
 
