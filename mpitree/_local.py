@@ -1,10 +1,11 @@
-"""Local attention on this rank's shard: the numpy reference kernel."""
+"""Local attention on this rank's shard: the numpy (or CuPy) reference kernel."""
 
 import numpy as np
 
 from ._kernel import attend_native
 from ._state import State
 from ._validate import check_masking, check_shapes, resolve_scale
+from ._xp import namespace
 
 
 def visibility(shapes, t, kv_len=None, q_pos=None, k_pos=None, mask=None):
@@ -17,7 +18,8 @@ def visibility(shapes, t, kv_len=None, q_pos=None, k_pos=None, mask=None):
     vis : numpy.ndarray or None
         bool ``(B, Hm, Sq, T)`` with ``Hm`` 1 or Hq, positions and mask folded; True = attend.
     """
-    lens = None if kv_len is None else np.asarray(kv_len, dtype=np.int64)
+    xp = namespace(k_pos, mask)
+    lens = None if kv_len is None else xp.asarray(kv_len, dtype=np.int64)
     vis = None
     if q_pos is not None:
         vis = (k_pos[:, None, :] <= q_pos[:, :, None])[:, None]
@@ -26,12 +28,13 @@ def visibility(shapes, t, kv_len=None, q_pos=None, k_pos=None, mask=None):
         vis = m if vis is None else vis & m
     if vis is not None:
         shape = (shapes.batch, vis.shape[1], shapes.q_len, t)
-        vis = np.ascontiguousarray(np.broadcast_to(vis, shape))
+        vis = xp.ascontiguousarray(xp.broadcast_to(vis, shape))
     return lens, vis
 
 
 def _attend_numpy(q, k, v, scale, lens, vis, out):
-    """Compute states with grouped numpy matmuls in the accumulation dtype (the reference)."""
+    """Compute states with grouped matmuls (numpy, or cuBLAS via CuPy) in ``out``'s dtype."""
+    xp = namespace(q)
     b, hq, sq, dim = q.shape
     hkv, t = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -42,22 +45,22 @@ def _attend_numpy(q, k, v, scale, lens, vis, out):
         rec[..., 1:] = 0
         return
     if lens is not None:
-        keep = (np.arange(t) < lens[:, None])[:, None, None, :]
+        keep = (xp.arange(t) < lens[:, None])[:, None, None, :]
         vis = keep if vis is None else vis & keep
     qs = q.astype(acc) * acc.type(scale)
     kk = k if k.dtype == acc else k.astype(acc)
     vv = v if v.dtype == acc else v.astype(acc)
-    s = np.matmul(qs.reshape(b, hkv, g * sq, dim), kk.swapaxes(-1, -2))
+    s = xp.matmul(qs.reshape(b, hkv, g * sq, dim), kk.swapaxes(-1, -2))
     if vis is not None:
         s = s.reshape(b, hkv, g, sq, t)
         v5 = vis.reshape(b, hkv, g, sq, t) if vis.shape[1] > 1 else vis[:, :, None]
-        s = np.where(v5, s, acc.type(-np.inf)).reshape(b, hkv, g * sq, t)
+        s = xp.where(v5, s, acc.type(-np.inf)).reshape(b, hkv, g * sq, t)
     m = s.max(axis=-1)
-    shift = np.where(np.isneginf(m), 0, m)
-    p = np.exp(s - shift[..., None])
+    shift = xp.where(xp.isneginf(m), 0, m)
+    p = xp.exp(s - shift[..., None])
     rec[..., 0] = m
     rec[..., 1] = p.sum(axis=-1)
-    np.matmul(p, vv, out=rec[..., 2:])
+    xp.matmul(p, vv, out=rec[..., 2:])
 
 
 def attend(q, k, v, scale, lens, vis, out):

@@ -1,12 +1,15 @@
-"""Vectorised numpy merge of packed (m, d, n) records; the reference combine."""
+"""Vectorised merge of packed (m, d, n) records (numpy or CuPy); the reference combine."""
 
 import numpy as np
+
+from ._xp import namespace
 
 
 def _weights(m_parts, m):
     """Return exp(m_part - m), with 0 where m_part is -inf (the empty state)."""
-    shift = np.where(np.isneginf(m), 0, m)
-    return np.exp(m_parts - shift)[..., None]
+    xp = namespace(m_parts)
+    shift = xp.where(xp.isneginf(m), 0, m)
+    return xp.exp(m_parts - shift)[..., None]
 
 
 def combine_records(a, b):
@@ -24,9 +27,10 @@ def combine_records(a, b):
 
 def merge_records(parts, axis=0):
     """Merge records stacked along ``axis`` in one pass (fixed order: bitwise reproducible)."""
+    xp = namespace(parts)
     m = parts[..., 0].max(axis=axis)
-    w = _weights(parts[..., 0], np.expand_dims(m, axis))
-    out = np.empty(m.shape + parts.shape[-1:], dtype=parts.dtype)
+    w = _weights(parts[..., 0], xp.expand_dims(m, axis))
+    out = xp.empty(m.shape + parts.shape[-1:], dtype=parts.dtype)
     out[..., 0] = m
     out[..., 1:] = (w * parts[..., 1:]).sum(axis=axis)
     return out

@@ -1,0 +1,109 @@
+"""mpitree.adapters.cupy under real ranks.
+
+CuPy needs a CUDA GPU. Without one, the adapter's dispatch and staging (device
+records, host reductions, the on-device rank-ordered merge of gathered states)
+run over a stand-in ``cupy`` module whose arrays are numpy arrays of a class that
+reports module ``cupy``; ``test_real_cupy_on_cuda`` runs the real thing.
+"""
+
+import importlib
+import sys
+import types
+
+import numpy as np
+import pytest
+from helpers import make_problem, world
+from numpy.testing import assert_allclose
+
+STRATEGIES = ["allreduce", "allgather", "allreduce3", "auto"]
+
+
+def stand_in_cupy():
+    """A module named cupy: numpy functions, and an ndarray class from 'cupy'."""
+    fake = types.ModuleType("cupy")
+    ndarray = type("ndarray", (np.ndarray,), {"__module__": "cupy"})
+
+    def on_device(f):
+        return lambda *a, **k: np.asarray(f(*a, **k)).view(ndarray)
+
+    names = "matmul where exp log isneginf arange ascontiguousarray broadcast_to expand_dims empty"
+    for name in names.split():
+        setattr(fake, name, on_device(getattr(np, name)))
+    fake.ndarray = ndarray
+    fake.asarray = on_device(np.asarray)
+    fake.asnumpy = lambda x: np.asarray(x).view(np.ndarray)
+    return fake
+
+
+@pytest.fixture
+def adapter(monkeypatch):
+    """The adapter imported over the stand-in cupy module."""
+    monkeypatch.setitem(sys.modules, "cupy", stand_in_cupy())
+    monkeypatch.delitem(sys.modules, "mpitree.adapters.cupy", raising=False)
+    yield importlib.import_module("mpitree.adapters.cupy")
+    sys.modules.pop("mpitree.adapters.cupy", None)
+
+
+def run(cp, strategy, dtype, deterministic=False):
+    comm = world()
+    prob = make_problem(
+        5, [6, 0, 9, 3][: comm.size], q_len=2, kv_len=True, mask="head", dtype=dtype
+    )
+    k, v, kw = prob.shard(comm.rank)
+    xp = sys.modules["cupy"]
+    dev = {name: None if x is None else xp.asarray(x) for name, x in kw.items()}
+    out, lse = cp.tree_decode(
+        xp.asarray(prob.q),
+        xp.asarray(k),
+        xp.asarray(v),
+        strategy=strategy,
+        return_lse=True,
+        deterministic=deterministic,
+        **dev,
+    )
+    assert type(out).__module__ == "cupy" and out.dtype == dtype and lse.dtype == np.float32
+    ref, ref_lse = prob.reference()
+    got = np.asarray(out, dtype=np.float64)
+    assert not np.isnan(got).any()
+    assert_allclose(got, ref, atol=2e-3 if dtype == np.float16 else 2e-5, rtol=0)
+    fin = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(np.asarray(lse)), fin)
+    assert_allclose(np.asarray(lse)[fin], ref_lse[fin], rtol=1e-5, atol=1e-5)
+    return out
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+def test_cupy_arrays_match_the_float64_reference(adapter, strategy, dtype):
+    run(adapter, strategy, dtype)
+
+
+@pytest.mark.parallel(nprocs=[3])
+def test_deterministic_is_bitwise_the_same_as_the_ranks_gather(adapter):
+    a = run(adapter, "allreduce", np.float32, deterministic=True)
+    b = run(adapter, "allgather", np.float32)
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parallel(nprocs=[2])
+def test_ring_and_numpy_inputs_are_refused_on_every_rank(adapter):
+    q = sys.modules["cupy"].asarray(np.zeros((1, 4, 1, 8), np.float32))
+    kv = sys.modules["cupy"].asarray(np.zeros((1, 2, 5, 8), np.float32))
+    with pytest.raises(ValueError, match=r"ring|invalid input"):
+        adapter.tree_decode(q, kv, kv, strategy="ring")
+    bad = np.zeros((1, 2, 5, 8), np.float32) if world().rank == 1 else kv
+    with pytest.raises((TypeError, ValueError), match=r"cupy.ndarray|invalid input"):
+        adapter.tree_decode(q, bad, kv)
+
+
+@pytest.mark.cuda
+@pytest.mark.parallel(nprocs=[1, 2])
+def test_real_cupy_on_cuda():
+    cupy = pytest.importorskip("cupy")
+    if cupy.cuda.runtime.getDeviceCount() == 0:
+        pytest.skip("no CUDA device")
+    from mpitree.adapters import cupy as cp
+
+    for strategy in ("allreduce", "allgather"):
+        run(cp, strategy, np.float32)
