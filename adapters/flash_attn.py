@@ -3,8 +3,9 @@
 Each rank keeps its shard in a flash-attn KV cache (contiguous, or paged with a
 ``block_table``), computes its partial attention with
 ``flash_attn_with_kvcache(..., return_softmax_lse=True)``, and the per-row states
-are merged across ranks by the core's reduction (through
-:mod:`mpitree.adapters.torch`: host-staged for CUDA tensors).
+are merged across ranks by the core's shared merger (through its public
+extension API, :mod:`mpitree.extend`; staged through pinned host memory for CUDA
+tensors).
 
 flash-attn's conventions, converted here at the edge:
 
@@ -18,18 +19,17 @@ flash-attn's conventions, converted here at the edge:
 Importing this module imports torch and flash_attn; ``import mpitree`` never does.
 """
 
+from __future__ import annotations
+
+from ._hint import missing
+
 try:
     import torch
     from flash_attn import flash_attn_with_kvcache
 except ImportError as exc:  # pragma: no cover - exercised only without flash-attn
-    raise ImportError(
-        "mpitree.adapters.flash_attn needs torch and flash-attn: pip install 'mpitree[flash-attn]'"
-    ) from exc
+    raise missing("mpitree.adapters.flash_attn", "flash_attn", exc) from exc
 
-from mpitree._plan import checked_call
-from mpitree._validate import Shapes
-
-from . import torch as mt
+from mpitree import extend
 
 __all__ = ["local_state", "records_from_lse", "tree_decode"]
 
@@ -52,26 +52,26 @@ def records_from_lse(out, lse):
         ``d = 1``, ``n = out``; the empty state ``[-inf, 0, 0]`` for rows without keys.
     """
     seen = torch.isfinite(lse)[..., None]
-    m = torch.where(
-        seen, lse[..., None].float(), torch.full_like(seen, float("-inf"), dtype=torch.float32)
-    )
-    n = torch.where(seen, out.transpose(1, 2).float(), torch.zeros((), device=out.device))
+    m = torch.where(seen, lse[..., None].float(), float("-inf"))
+    n = torch.where(seen, out.transpose(1, 2).float(), 0.0)
     return torch.cat([m, seen.float(), n], dim=-1)
 
 
 def _check(q, k_cache, v_cache, cache_seqlens, block_table):
-    """Validate flash-attn-layout inputs; return (B, Hq, Hkv, Sq, D)."""
+    """Validate flash-attn-layout inputs; return the :class:`mpitree.extend.Problem`."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(x, torch.Tensor) or x.ndim != 4:
             raise ValueError(f"{name} must be a 4-D torch.Tensor")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}")
     b, sq, hq, d = q.shape
     if k_cache.shape != v_cache.shape or k_cache.shape[-1] != d:
         raise ValueError(
             f"k_cache/v_cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not "
-            f"match q {tuple(q.shape)}"
+            f"match q {tuple(q.shape)} (flash-attn layout: q (B, Sq, Hq, D), cache (B, S, Hkv, D))"
         )
     hkv = k_cache.shape[2]
-    if hq % hkv:
+    if hkv == 0 or hq % hkv:
         raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hkv})")
     if block_table is None and k_cache.shape[0] != b:
         raise ValueError(f"k_cache batch {k_cache.shape[0]} != q batch {b} (no block_table)")
@@ -79,7 +79,8 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table):
         raise ValueError(f"block_table must be (B={b}, max_blocks), got {tuple(block_table.shape)}")
     if isinstance(cache_seqlens, torch.Tensor) and tuple(cache_seqlens.shape) != (b,):
         raise ValueError(f"cache_seqlens must have shape ({b},)")
-    return b, hq, hkv, sq, d
+    name = extend.dtype_name(q.dtype)
+    return extend.Problem.of(b, hq, hkv, d, sq, name)
 
 
 def local_state(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, softmax_scale=None):
@@ -92,7 +93,8 @@ def local_state(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, so
     k_cache, v_cache : torch.Tensor
         ``(B, S, Hkv, D)``, or ``(num_blocks, page_size, Hkv, D)`` with ``block_table``.
     cache_seqlens : int or torch.Tensor, optional
-        ``(B,)`` int32 valid keys per row of this rank's shard (0 allowed).
+        ``(B,)`` int32 valid keys per row of this rank's shard (0 allowed); keys
+        past it are never read.
     block_table : torch.Tensor, optional
         ``(B, max_blocks)`` int32 page indices (paged KV cache).
     softmax_scale : float, optional
@@ -107,8 +109,9 @@ def local_state(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, so
     torch.Tensor
         ``(B, Hq, Sq, D + 2)`` float32 records ``[m, d, n]`` (see :func:`records_from_lse`).
     """
-    _check(q, k_cache, v_cache, cache_seqlens, block_table)
-    return _records(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale)
+    problem = _check(q, k_cache, v_cache, cache_seqlens, block_table)
+    scale = extend.Options.resolve(problem.head_dim, scale=softmax_scale).scale
+    return _records(q, k_cache, v_cache, cache_seqlens, block_table, scale)
 
 
 def _records(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale):
@@ -131,6 +134,7 @@ def _records(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale):
     return records_from_lse(out, lse)
 
 
+@extend.entry_point
 def tree_decode(
     q,
     k_cache,
@@ -159,30 +163,32 @@ def tree_decode(
     lse : torch.Tensor
         ``(B, Hq, Sq)`` float32, natural log (with ``return_lse``).
     """
+    comm = extend.check_comm(comm)
 
-    def inspect():
-        if strategy == "ring":
+    def prepare():
+        problem = _check(q, k_cache, v_cache, cache_seqlens, block_table)
+        opts = extend.Options.resolve(
+            problem.head_dim, strategy, softmax_scale, deterministic=deterministic
+        )
+        if opts.strategy == "ring":
             raise ValueError("the flash-attn adapter cannot run strategy='ring'")
-        b, hq, hkv, sq, d = _check(q, k_cache, v_cache, cache_seqlens, block_table)
-        return Shapes(b, hq, hkv, sq, d, q.dtype)
+        op = extend.op_needed(opts.strategy, opts.deterministic, "float32", problem.head_dim)
+        return extend.Call({**problem.signature(), **opts.signature()}, (problem, opts), op=op)
 
-    comm, _, scale, _ = checked_call(
-        comm,
-        q,
-        k_cache,
-        v_cache,
-        scale=softmax_scale,
-        kv_len=None,
-        q_pos=None,
-        k_pos=None,
-        mask=None,
-        strategy=strategy,
-        deterministic=deterministic,
-        inspect=inspect,
+    call = extend.agree(comm, prepare)
+    problem, opts = call.payload
+    chosen = extend.resolve(opts.strategy, comm, call.native, opts.node_size, opts.deterministic)
+    merger = extend.merger_for(
+        comm, problem.rows, problem.head_dim, "float32", chosen, opts.node_size, like=q
     )
-    records = _records(q, k_cache, v_cache, cache_seqlens, block_table, scale)
-    merged = mt._merge(records, comm, strategy, deterministic)
-    result = mt._finish(merged, q, return_lse)
+
+    def fill(records):
+        rec = _records(q, k_cache, v_cache, cache_seqlens, block_table, opts.scale)
+        records[...] = extend.namespace(rec).to_numpy(rec).reshape(records.shape)
+
+    records = merger.merge(fill).reshape(*problem.row_shape, -1)
+    like = q.transpose(1, 2)
+    result = extend.finish(records, like, return_lse)
     if return_lse:
         return result[0].transpose(1, 2).contiguous(), result[1]
     return result.transpose(1, 2).contiguous()

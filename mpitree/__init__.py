@@ -3,29 +3,33 @@
 Each rank computes the partial online-softmax state ``(m, d, n)`` of the queries
 over its own keys; the states merge associatively across ranks in one
 ``MPI_Allreduce`` with a native user-defined op. Log-sum-exp values are natural
-log throughout.
+log throughout. Every function that communicates is collective over its
+communicator and raises on every rank when any rank's input is invalid.
 """
 
-from . import energy, model, spec
+from . import energy, extend, model, spec
+from ._guard import RankError
 from ._local import local_state
 from ._op import native_op_available
+from ._options import STRATEGIES
 from ._plan import DecodePlan, allreduce_state, tree_decode
 from ._reference import reference_attention
 from ._runtime import default_comm, set_blas_threads
 from ._state import State, combine
-from ._validate import STRATEGIES
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "STRATEGIES",
     "DecodePlan",
+    "RankError",
     "State",
     "__version__",
     "allreduce_state",
     "combine",
     "default_comm",
     "energy",
+    "extend",
     "local_state",
     "model",
     "native_op_available",

@@ -1,49 +1,23 @@
 """ctypes bridge to the compiled float32 local-attention kernel in ``_native.c``."""
 
+from __future__ import annotations
+
 import ctypes
 import os
 import time
 
 import numpy as np
 
-from ._op import _native_lib
+from ._library import AttnArgs, native_lib
 
-_KERNEL_ENV = "MPITREE_LOCAL_KERNEL"  # "native" (default when built) or "numpy"
-
-
-class _Args(ctypes.Structure):
-    """Mirror of ``mpitree_attn_args``."""
-
-    _fields_ = [
-        ("batch", ctypes.c_int64),
-        ("q_heads", ctypes.c_int64),
-        ("kv_heads", ctypes.c_int64),
-        ("q_len", ctypes.c_int64),
-        ("head_dim", ctypes.c_int64),
-        ("k_strides", ctypes.c_int64 * 3),
-        ("v_strides", ctypes.c_int64 * 3),
-        ("lens", ctypes.c_void_p),
-        ("t", ctypes.c_int64),
-        ("vis", ctypes.c_void_p),
-        ("vis_heads", ctypes.c_int64),
-        ("scale", ctypes.c_float),
-    ]
+KERNEL_ENV = "MPITREE_LOCAL_KERNEL"  # "native" (default when built) or "numpy"
 
 
 def _lib():
-    """Return the native library with kernel signatures set, or None."""
-    lib = _native_lib()
-    if lib is None or os.environ.get(_KERNEL_ENV, "native") == "numpy":
+    """Return the native library unless the numpy kernel is forced, else None."""
+    if os.environ.get(KERNEL_ENV, "native") == "numpy":
         return None
-    if not hasattr(lib, "_mpitree_kernel_ready"):
-        lib.mpitree_attend_f32.restype = None
-        lib.mpitree_attend_f32.argtypes = [ctypes.POINTER(_Args)] + [ctypes.c_void_p] * 5
-        lib.mpitree_attend_scratch.restype = ctypes.c_int64
-        lib.mpitree_attend_scratch.argtypes = [ctypes.c_int64] * 2
-        lib.mpitree_read_f32.restype = ctypes.c_float
-        lib.mpitree_read_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-        lib._mpitree_kernel_ready = True
-    return lib
+    return native_lib()
 
 
 def native_kernel_available():
@@ -51,21 +25,43 @@ def native_kernel_available():
     return _lib() is not None
 
 
-def _strides(x):
-    """Element strides of the batch, head and key axes of a (B, H, T, D) array."""
-    return (ctypes.c_int64 * 3)(*(s // x.itemsize for s in x.strides[:3]))
+def kernel_isa():
+    """Return which build of the compiled kernel runs on this CPU (e.g. "x86-64-v3 (AVX2, FMA)")."""
+    lib = _lib()
+    return "numpy (no compiled kernel)" if lib is None else lib.mpitree_kernel_isa().decode()
+
+
+def _element_strides(x):
+    """Batch, head and key strides of a (B, H, T, D) array in elements, or None if not whole."""
+    if x.size == 0:
+        return [0, 0, 0]
+    if x.strides[3] != x.itemsize and x.shape[3] > 1:
+        return None
+    if any(s % x.itemsize for s in x.strides[:3]):
+        return None  # e.g. a field of a structured array: not addressable in elements
+    return [s // x.itemsize for s in x.strides[:3]]
 
 
 def attend_native(q, k, v, scale, lens, vis, out):
-    """Run the C kernel if it applies (float32 K/V); return False to fall back to numpy."""
+    """Run the C kernel on host float32 inputs into ``out`` records; False if it does not apply.
+
+    K/V views whose strides are not whole elements are copied first (never misread).
+    """
     lib = _lib()
     if lib is None or k.dtype != np.float32 or out.dtype != np.float32:
         return False
+    k_strides, v_strides = _element_strides(k), _element_strides(v)
+    if k_strides is None:
+        k = np.ascontiguousarray(k)
+        k_strides = _element_strides(k)
+    if v_strides is None:
+        v = np.ascontiguousarray(v)
+        v_strides = _element_strides(v)
     q = np.ascontiguousarray(q, dtype=np.float32)
     b, hq, sq, dim = q.shape
-    args = _Args(
-        b, hq, k.shape[1], sq, dim, _strides(k), _strides(v), None, k.shape[2], None, 0, scale
-    )
+    args = AttnArgs(b, hq, k.shape[1], sq, dim, (ctypes.c_int64 * 3)(*k_strides))
+    args.v_strides = (ctypes.c_int64 * 3)(*v_strides)
+    args.t, args.scale = k.shape[2], scale
     if lens is not None:
         lens = np.ascontiguousarray(lens, dtype=np.int64)
         args.lens = lens.ctypes.data

@@ -1,77 +1,120 @@
-"""Local attention on this rank's shard: the numpy (or CuPy) reference kernel."""
+"""Local attention on this rank's shard: the compiled kernel, or one kernel for every namespace."""
+
+from __future__ import annotations
 
 import numpy as np
 
+from ._checks import check_masking, check_qkv
 from ._kernel import attend_native
+from ._masks import keep_mask, visibility
+from ._options import resolve_scale
 from ._state import State
-from ._validate import check_masking, check_shapes, resolve_scale
-from ._xp import namespace
+
+# Score elements per block of query rows: a long prompt never materialises its whole
+# (queries x keys) score matrix (64 MB of float32 per block at most).
+BLOCK_SCORES = 1 << 24
 
 
-def visibility(shapes, t, kv_len=None, q_pos=None, k_pos=None, mask=None):
-    """Split masking into ragged lengths and one boolean visibility array.
+def weighted_values(ns, p, v, keep):
+    """``p @ v`` where keys with weight 0 because they are excluded contribute exactly nothing.
 
-    Returns
-    -------
-    lens : numpy.ndarray or None
-        int64 ``(B,)``: keys used per batch row (``kv_len``).
-    vis : numpy.ndarray or None
-        bool ``(B, Hm, Sq, T)`` with ``Hm`` 1 or Hq, positions and mask folded; True = attend.
+    ``keep`` (broadcastable to p's shape, or None) marks visible keys. Values of
+    excluded keys may be garbage (NaN/Inf in a cache's unused slots): they are
+    selected out, never multiplied by 0. A row that sees a non-finite value gets
+    a non-finite output, as plain arithmetic would give it.
     """
-    xp = namespace(k_pos, mask)
-    lens = None if kv_len is None else xp.asarray(kv_len, dtype=np.int64)
-    vis = None
-    if q_pos is not None:
-        vis = (k_pos[:, None, :] <= q_pos[:, :, None])[:, None]
-    if mask is not None:
-        m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-        vis = m if vis is None else vis & m
-    if vis is not None:
-        shape = (shapes.batch, vis.shape[1], shapes.q_len, t)
-        vis = xp.ascontiguousarray(xp.broadcast_to(vis, shape))
-    return lens, vis
+    if keep is None:
+        return p @ v
+    finite = ns.all(ns.isfinite(v), axis=-1)  # (B, Hkv, T): keys whose values are all finite
+    if ns.all(finite):
+        return p @ v
+    n = p @ ns.where(finite[..., None], v, 0)
+    sees_bad = ns.max(ns.astype(keep & ~finite[:, :, None, :], "int32"), axis=-1) > 0
+    if ns.any(sees_bad):
+        n = ns.where(sees_bad[..., None], p @ v, n)
+    return n
 
 
-def _attend_numpy(q, k, v, scale, lens, vis, out):
-    """Compute states with grouped matmuls (numpy, or cuBLAS via CuPy) in ``out``'s dtype."""
-    xp = namespace(q)
-    b, hq, sq, dim = q.shape
-    hkv, t = k.shape[1], k.shape[2]
+def grouped_keep(ns, lens, vis, q, k):
+    """Visibility of every (row, key) in GQA-grouped layout ``(B, Hkv, G*Sq, T)``, or None."""
+    b, hq, sq, _ = (int(s) for s in q.shape)
+    hkv, t = int(k.shape[1]), int(k.shape[2])
+    keep = keep_mask(ns, lens, vis, t, like=q)
+    if keep is None:
+        return None
+    g, heads = hq // hkv, keep.shape[1]
+    grouped = (hkv, g) if heads > 1 else (1, 1)
+    keep = keep.reshape(keep.shape[0], *grouped, keep.shape[2], t)
+    return ns.broadcast_to(keep, (b, hkv, g, sq, t)).reshape(b, hkv, g * sq, t)
+
+
+def state_records(ns, q, k, v, scale, lens, vis, acc):
+    """Return the ``(B, Hq, Sq, D + 2)`` records of q over k, v in namespace ``ns``, dtype ``acc``.
+
+    Grouped matmuls (GQA without repeating K/V); functional, so it serves numpy,
+    CuPy (cuBLAS), torch (any device) and JAX alike.
+    """
+    b, hq, sq, dim = (int(s) for s in q.shape)
+    hkv, t = int(k.shape[1]), int(k.shape[2])
     g = hq // hkv
-    acc = out.dtype
-    rec = out.reshape(b, hkv, g * sq, dim + 2)
     if t == 0:
-        rec[..., 0] = -np.inf
-        rec[..., 1:] = 0
-        return
-    if lens is not None:
-        keep = (xp.arange(t) < lens[:, None])[:, None, None, :]
-        vis = keep if vis is None else vis & keep
-    qs = q.astype(acc) * acc.type(scale)
-    kk = k if k.dtype == acc else k.astype(acc)
-    vv = v if v.dtype == acc else v.astype(acc)
-    s = xp.matmul(qs.reshape(b, hkv, g * sq, dim), kk.swapaxes(-1, -2))
-    if vis is not None:
-        s = s.reshape(b, hkv, g, sq, t)
-        v5 = vis.reshape(b, hkv, g, sq, t) if vis.shape[1] > 1 else vis[:, :, None]
-        s = xp.where(v5, s, acc.type(-np.inf)).reshape(b, hkv, g * sq, t)
-    m = s.max(axis=-1)
-    shift = xp.where(xp.isneginf(m), 0, m)
-    p = xp.exp(s - shift[..., None])
-    rec[..., 0] = m
-    rec[..., 1] = p.sum(axis=-1)
-    xp.matmul(p, vv, out=rec[..., 2:])
+        empty = ns.full((b, hq, sq, 1), -np.inf, acc, like=q)
+        return ns.concat([empty, ns.full((b, hq, sq, dim + 1), 0, acc, like=q)], -1)
+    keep = grouped_keep(ns, lens, vis, q, k)
+    qs = ns.astype(q, acc).reshape(b, hkv, g * sq, dim) * scale
+    s = qs @ ns.mT(ns.astype(k, acc))  # (B, Hkv, G*Sq, T)
+    if keep is not None:
+        s = ns.where(keep, s, -np.inf)
+    m = ns.max(s, axis=-1)
+    shift = ns.where(ns.isneginf(m), 0, m)
+    p = ns.exp(s - shift[..., None])
+    n = weighted_values(ns, p, ns.astype(v, acc), keep)
+    rec = ns.concat([m[..., None], ns.sum(p, axis=-1)[..., None], n], -1)
+    return rec.reshape(b, hq, sq, dim + 2)
 
 
-def attend(q, k, v, scale, lens, vis, out):
-    """Write the state of rows ``q`` over keys ``k, v`` into ``out`` records.
+def attend(ns, q, k, v, scale, lens, vis, out):
+    """Write the state of q over this shard into host records ``out`` ``(B, Hq, Sq, D + 2)``.
 
-    q: (B, Hq, Sq, D); k, v: (B, Hkv, T, D); lens: None or int64 (B,); vis: None or
-    bool (B, 1|Hq, Sq, T); out: (B, Hq, Sq, D + 2) float32/float64 records. Float32
-    K/V run the compiled kernel (K and V read once), others the numpy reference.
+    Host float32 inputs (numpy, or CPU torch tensors shared without a copy) run
+    the compiled kernel (K and V read once); everything else runs
+    :func:`state_records` in its own namespace, staged into ``out``. Many query
+    rows (a prompt) run in blocks of rows whose scores fit ``BLOCK_SCORES``
+    elements, each block reading only the keys up to the last one it can see.
     """
-    if not attend_native(q, k, v, scale, lens, vis, out):
-        _attend_numpy(q, k, v, scale, lens, vis, out)
+    b, hq, sq, _ = (int(s) for s in q.shape)
+    t = int(k.shape[2])
+    step = max(1, BLOCK_SCORES // max(1, b * hq * t))
+    if step >= sq:
+        _attend_block(ns, q, k, v, scale, lens, vis, out)
+        return
+    for i in range(0, sq, step):
+        rows = vis[:, :, i : i + step] if vis is not None else None
+        stop = t
+        if rows is not None:
+            stop = ns.last_true(rows.reshape(-1, t).any(0)) + 1
+            rows = ns.contiguous(rows[..., :stop])
+        part = lens if lens is None or stop == t else ns.where(lens > stop, stop, lens)
+        block = np.empty((*out.shape[:2], min(step, sq - i), out.shape[-1]), out.dtype)
+        _attend_block(
+            ns, q[:, :, i : i + step], k[:, :, :stop], v[:, :, :stop], scale, part, rows, block
+        )
+        out[:, :, i : i + step] = block
+
+
+def _attend_block(ns, q, k, v, scale, lens, vis, out):
+    """:func:`attend` for one block of query rows."""
+    if ns.on_host(q) and str(k.dtype).endswith("float32") and out.dtype == np.float32:
+        host = [ns.to_numpy(x) for x in (q, k, v)]
+        lens_h = None if lens is None else ns.to_numpy(lens)
+        vis_h = None if vis is None else ns.to_numpy(vis)
+        if attend_native(*host, scale, lens_h, vis_h, out):
+            return
+    rec = state_records(ns, q, k, v, scale, lens, vis, str(out.dtype))
+    if ns.name == "numpy":
+        out[...] = rec
+    else:
+        out[...] = ns.to_numpy(rec)
 
 
 def local_state(q, k, v, *, scale=None, kv_len=None, q_pos=None, k_pos=None, mask=None):
@@ -79,31 +122,32 @@ def local_state(q, k, v, *, scale=None, kv_len=None, q_pos=None, k_pos=None, mas
 
     Parameters
     ----------
-    q : numpy.ndarray
-        ``(B, Hq, Sq, D)``, float16/float32/float64.
-    k, v : numpy.ndarray
+    q : array
+        ``(B, Hq, Sq, D)``, float16/bfloat16/float32/float64: numpy, torch, CuPy or
+        JAX (the same framework for every argument).
+    k, v : array
         ``(B, Hkv, T, D)``, same dtype as ``q``; ``Hq % Hkv == 0``; ``T`` may be 0.
     scale : float, optional
         Logit scale, default ``1/sqrt(D)``.
-    kv_len : numpy.ndarray, optional
+    kv_len : array, optional
         int ``(B,)``: keys at index ``>= kv_len[b]`` are ignored.
-    q_pos, k_pos : numpy.ndarray, optional
+    q_pos, k_pos : array, optional
         int ``(B, Sq)`` and ``(B, T)``: key j is visible to query i iff
         ``k_pos[b, j] <= q_pos[b, i]``. Give both or neither.
-    mask : numpy.ndarray, optional
+    mask : array, optional
         bool, broadcastable to ``(B, Hq or 1, Sq, T)``; True = attend.
 
     Returns
     -------
     State
-        ``(B, Hq, Sq, D + 2)`` records, float64 for float64 inputs, else float32.
+        ``(B, Hq, Sq, D + 2)`` host records, float64 for float64 inputs, else
+        float32. Keys excluded by ``kv_len``, positions or the mask contribute
+        exactly nothing, whatever their values.
     """
-    shapes = check_shapes(q, k, v)
-    t = k.shape[2]
-    check_masking(shapes, t, kv_len, q_pos, k_pos, mask)
-    scale = resolve_scale(scale, shapes.head_dim)
-    out = np.empty(
-        (shapes.batch, shapes.q_heads, shapes.q_len, shapes.head_dim + 2), dtype=shapes.acc_dtype
-    )
-    attend(q, k, v, scale, *visibility(shapes, t, kv_len, q_pos, k_pos, mask), out)
+    ns, problem, t = check_qkv(q, k, v)
+    kv_len, q_pos, k_pos, mask = check_masking(ns, problem, t, kv_len, q_pos, k_pos, mask)
+    scale = resolve_scale(scale, problem.head_dim)
+    out = np.empty((*problem.row_shape, problem.head_dim + 2), dtype=problem.acc)
+    lens, vis = visibility(ns, problem.batch, problem.q_len, t, kv_len, q_pos, k_pos, mask)
+    attend(ns, q, k, v, scale, lens, vis, out)
     return State(out)

@@ -256,12 +256,24 @@ static void group_scores(const float *q, const float *k, int64_t kstride, int64_
             s[r * n + j] = dot(q + r * dim, k + j * kstride, dim);
 }
 
+/* w * v, or exactly 0 where the weight w is 0 when `masked` (0 * NaN would be NaN). */
+static inline v8f wv8(v8f w, v8f v, int masked)
+{
+    const v8f p = w * v;
+    if (!masked)
+        return p;
+    const v8f zero = {0};
+    return select8(w != zero, p, zero);
+}
+
 /* acc_r += sum_j p[r * n + j] v_j for r < rows. Blocks of KEYS keys x 16 columns x
  * 4 rows with 8 register accumulators (leftover rows one at a time); while the
- * first row block runs, each line of the key block two ahead is prefetched. */
+ * first row block runs, each line of the key block two ahead is prefetched.
+ * `masked`: the chunk has excluded keys (weight exactly 0), whose values may be
+ * garbage (a cache's unused slots): they are selected out, never multiplied. */
 MPITREE_CLONES
 static void group_values(const float *p, const float *v, int64_t vstride, int64_t n,
-                         int64_t rows, int64_t dim, float *acc)
+                         int64_t rows, int64_t dim, float *acc, int masked)
 {
     const int64_t d16 = dim & ~(int64_t)15, r4 = rows & ~(int64_t)3;
     for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
@@ -281,14 +293,14 @@ static void group_values(const float *p, const float *v, int64_t vstride, int64_
                     const v8f v0 = load8(vj), v1 = load8(vj + 8);
                     const v8f w0 = bcast8(p0[j]), w1 = bcast8(p1[j]);
                     const v8f w2 = bcast8(p2[j]), w3 = bcast8(p3[j]);
-                    a00 += w0 * v0;
-                    a01 += w0 * v1;
-                    a10 += w1 * v0;
-                    a11 += w1 * v1;
-                    a20 += w2 * v0;
-                    a21 += w2 * v1;
-                    a30 += w3 * v0;
-                    a31 += w3 * v1;
+                    a00 += wv8(w0, v0, masked);
+                    a01 += wv8(w0, v1, masked);
+                    a10 += wv8(w1, v0, masked);
+                    a11 += wv8(w1, v1, masked);
+                    a20 += wv8(w2, v0, masked);
+                    a21 += wv8(w2, v1, masked);
+                    a30 += wv8(w3, v0, masked);
+                    a31 += wv8(w3, v1, masked);
                 }
                 store8(c0 + x, a00);
                 store8(c0 + x + 8, a01);
@@ -310,8 +322,8 @@ static void group_values(const float *p, const float *v, int64_t vstride, int64_
                     if (r == 0)
                         __builtin_prefetch(vj + 2 * KEYS * vstride);
                     const v8f w = bcast8(pr[j]);
-                    a0 += w * load8(vj);
-                    a1 += w * load8(vj + 8);
+                    a0 += wv8(w, load8(vj), masked);
+                    a1 += wv8(w, load8(vj + 8), masked);
                 }
                 store8(cr + x, a0);
                 store8(cr + x + 8, a1);
@@ -320,6 +332,8 @@ static void group_values(const float *p, const float *v, int64_t vstride, int64_
         for (int64_t r = 0; r < rows; ++r)
             for (int64_t j = j0; j < jn; ++j) {
                 const float w = p[r * n + j];
+                if (masked && w == 0.0f)
+                    continue;
                 const float *vj = v + j * vstride;
                 float *cr = acc + r * dim;
                 for (int64_t x = d16; x < dim; ++x)
@@ -399,21 +413,25 @@ void mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float 
             for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
                 const int64_t cn = n - c0 < CHUNK ? n - c0 : CHUNK;
                 group_scores(qs, kh + c0 * a->k_strides[2], a->k_strides[2], cn, rows, dim, s);
+                int masked = 0; /* any key of this chunk excluded for some row */
                 for (int64_t r = 0; r < rows; ++r) {
                     float *sr = s + r * cn;
                     if (a->vis) {
                         const int64_t hq = a->vis_heads > 1 ? h * g + r / sq : 0;
                         const uint8_t *vr =
                             a->vis + ((b * a->vis_heads + hq) * sq + r % sq) * a->t + c0;
-                        for (int64_t j = 0; j < cn; ++j)
-                            sr[j] = vr[j] ? sr[j] : -INFINITY;
+                        for (int64_t j = 0; j < cn; ++j) {
+                            masked |= !vr[j];
+                            sr[j] = vr[j] ? sr[j] : -INFINITY; /* select: garbage k never leaks */
+                        }
                     }
                     const float scale = row_weights(sr, cn, mx + r, den + r);
                     if (scale != 1.0f)
                         for (int64_t x = 0; x < dim; ++x)
                             acc[r * dim + x] *= scale;
                 }
-                group_values(s, vh + c0 * a->v_strides[2], a->v_strides[2], cn, rows, dim, acc);
+                group_values(s, vh + c0 * a->v_strides[2], a->v_strides[2], cn, rows, dim, acc,
+                             masked);
             }
             for (int64_t r = 0; r < rows; ++r) {
                 float *rec = out + ((b * a->q_heads + h * g) * sq + r) * w;
@@ -423,6 +441,17 @@ void mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float 
             }
         }
     }
+}
+
+/* Which build of the multiversioned kernels runs on this CPU. */
+const char *mpitree_kernel_isa(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("x86-64-v3") ? "x86-64-v3 (AVX2, FMA)" : "x86-64 (SSE2)";
+#else
+    return "portable C";
+#endif
 }
 
 /* Stream-read n floats (the bandwidth floor a decode kernel cannot beat). */

@@ -1,61 +1,28 @@
-"""The (m, d, n) combine as an MPI user-defined reduction, native or numpy."""
+"""The (m, d, n) combine as an MPI user-defined reduction: compiled C, or a numpy fallback.
+
+Thread contract: creating ops is serialised by a lock (the slot table and the op
+cache are shared by all threads); using them is as thread-safe as the MPI
+library's own thread level.
+"""
+
+from __future__ import annotations
 
 import atexit
 import ctypes
-import glob
-import os
+import sys
+import threading
 import warnings
 
 import numpy as np
 from mpi4py import MPI
 
-from ._records import combine_records
+from ._library import load_error, native_lib
+from ._state import combine_records
 
-_NATIVE_ENV = "MPITREE_NATIVE_OP"
-_lib = None  # ctypes handle of the compiled combine, or False when unavailable
-_load_error = None
-_ops = {}  # (dtype char, D) -> (MPI.Datatype record, MPI.Op, native: bool)
+_lock = threading.Lock()
+_ops = {}  # (dtype name, record width) -> (MPI.Datatype record, MPI.Op)
 _next_slot = {32: 0, 64: 0}
 _warned = False
-
-
-def _find_library():
-    """Return the path of the compiled combine built with the package, or None."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    found = sorted(glob.glob(os.path.join(here, "_native*.so")))
-    return found[0] if found else None
-
-
-def _native_lib():
-    """Load the compiled combine once; return the ctypes library or None."""
-    global _lib, _load_error
-    if _lib is None:
-        _lib = False
-        if os.environ.get(_NATIVE_ENV, "1") == "0":
-            _load_error = f"disabled by {_NATIVE_ENV}=0"
-            return None
-        path = _find_library()
-        if path is None:
-            _load_error = "mpitree/_native*.so was not built (no C compiler at install time?)"
-            return None
-        try:
-            lib = ctypes.CDLL(path)
-            lib.mpitree_bind_slot.restype = ctypes.c_void_p
-            lib.mpitree_bind_slot.argtypes = [ctypes.c_int] * 3
-            lib.mpitree_nslots.restype = ctypes.c_int
-            lib.mpitree_combine.restype = None
-            lib.mpitree_combine.argtypes = [
-                ctypes.c_int,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_int,
-                ctypes.c_int,
-            ]
-        except (OSError, AttributeError) as exc:
-            _load_error = f"could not load {path}: {exc}"
-            return None
-        _lib = lib
-    return _lib or None
 
 
 def native_op_available():
@@ -67,80 +34,85 @@ def native_op_available():
         True when ``strategy="allreduce"`` runs the compiled C combine inside MPI;
         False when it falls back to a (slower) numpy Python op.
     """
-    return _native_lib() is not None
-
-
-def native_load_error():
-    """Return why the native op is unavailable, or None when it is available."""
-    _native_lib()
-    return _load_error
+    return native_lib() is not None
 
 
 def _mpi_op_create(fn_ptr):
     """Call MPI_Op_create from the MPI library mpi4py loaded; return an MPI.Op."""
-    mpi = ctypes.CDLL(MPI.__file__)
-    create = mpi.MPI_Op_create
+    create = ctypes.CDLL(MPI.__file__).MPI_Op_create
     create.restype = ctypes.c_int
     create.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    size = MPI._sizeof(MPI.Op)
-    handle = ctypes.create_string_buffer(size)
+    handle = ctypes.create_string_buffer(MPI._sizeof(MPI.Op))
     err = create(fn_ptr, 1, handle)
     if err != 0:
         raise RuntimeError(f"MPI_Op_create failed with error code {err}")
-    value = int.from_bytes(handle.raw, byteorder="little" if np.little_endian else "big")
-    return MPI.Op.fromhandle(value)
+    return MPI.Op.fromhandle(int.from_bytes(handle.raw, byteorder=sys.byteorder))
 
 
-def _python_op(dtype, dim):
-    """Create the numpy fallback op (runs Python for every reduction step)."""
+def python_op(dtype, width):
+    """Create the numpy fallback op for records of ``width`` values (Python per reduction)."""
+    dtype = np.dtype(dtype)
 
     def fn(inmem, inoutmem, datatype):
-        a = np.frombuffer(inmem, dtype=dtype).reshape(-1, dim + 2)
-        b = np.frombuffer(inoutmem, dtype=dtype).reshape(-1, dim + 2)
+        a = np.frombuffer(inmem, dtype=dtype).reshape(-1, width)
+        b = np.frombuffer(inoutmem, dtype=dtype).reshape(-1, width)
         b[...] = combine_records(a, b)
 
     return MPI.Op.Create(fn, commute=True)
 
 
-def record_op(dtype, dim):
-    """Return ``(record datatype, op)`` for records of ``dim + 2`` values of ``dtype``.
+def record_op(dtype, width):
+    """Return ``(record datatype, op)`` for records of ``width = D + 2`` values of ``dtype``.
 
-    Ops are created lazily, cached per (dtype, D) and freed at exit.
+    Ops are created once per (dtype, width) under a lock, and freed at exit.
+
+    Raises
+    ------
+    RuntimeError
+        When no op can be created: all native slots for this dtype are bound to
+        other widths, or MPI refuses another Python op.
     """
-    global _warned
     dtype = np.dtype(dtype)
-    key = (dtype.char, int(dim))
-    if key in _ops:
-        return _ops[key][:2]
+    key = (dtype.name, int(width))
+    found = _ops.get(key)
+    if found is not None:
+        return found
+    with _lock:
+        if key not in _ops:
+            _ops[key] = _create(dtype, int(width))
+        return _ops[key]
+
+
+def _create(dtype, width):
+    """Create the datatype and op for one key (caller holds the lock)."""
+    global _warned
+    lib = native_lib()
+    bits = dtype.itemsize * 8
+    if lib is not None and _next_slot[bits] >= lib.mpitree_nslots():
+        raise RuntimeError(
+            f"mpitree: all {lib.mpitree_nslots()} native op slots for float{bits} are in use "
+            f"(one per distinct record width); cannot create one for width {width}"
+        )
     base = MPI.FLOAT if dtype == np.float32 else MPI.DOUBLE
-    rec = base.Create_contiguous(dim + 2).Commit()
-    lib = _native_lib()
-    if lib is not None:
-        bits = dtype.itemsize * 8
-        slot = _next_slot[bits]
-        if slot >= lib.mpitree_nslots():
-            rec.Free()
-            raise RuntimeError(
-                f"mpitree: all {lib.mpitree_nslots()} native op slots for float{bits} are in "
-                f"use (one per distinct head dim); cannot create one for D={dim}"
-            )
-        _next_slot[bits] = slot + 1
-        op = _mpi_op_create(lib.mpitree_bind_slot(bits, slot, dim))
-    else:
-        if not _warned:
-            warnings.warn(
-                f"mpitree: native MPI combine unavailable ({_load_error}); using a numpy "
-                "Python op, about 3-5x slower per merge",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            _warned = True
-        try:
-            op = _python_op(dtype, dim)
-        except MPI.Exception as exc:  # mpi4py caps Python user ops at 32
-            rec.Free()
-            raise RuntimeError(f"mpitree: cannot create another MPI user op: {exc}") from exc
-    _ops[key] = (rec, op, lib is not None)
+    rec = base.Create_contiguous(width).Commit()
+    try:
+        if lib is not None:
+            slot = _next_slot[bits]
+            _next_slot[bits] = slot + 1
+            op = _mpi_op_create(lib.mpitree_bind_slot(bits, slot, width - 2))
+        else:
+            if not _warned:
+                warnings.warn(
+                    f"mpitree: native MPI combine unavailable ({load_error()}); using a numpy "
+                    "Python op, about 3-5x slower per merge",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                _warned = True
+            op = python_op(dtype, width)
+    except Exception as exc:
+        rec.Free()
+        raise RuntimeError(f"mpitree: cannot create an MPI op for width {width}: {exc}") from exc
     return rec, op
 
 
@@ -149,7 +121,8 @@ def _free_ops():
     """Free cached ops and datatypes before MPI finalizes."""
     if MPI.Is_finalized():
         return
-    for rec, op, _ in _ops.values():
-        op.Free()
-        rec.Free()
-    _ops.clear()
+    with _lock:
+        for rec, op in _ops.values():
+            op.Free()
+            rec.Free()
+        _ops.clear()

@@ -1,40 +1,104 @@
-"""A reusable decode plan: validated once, buffers and requests preallocated."""
+"""Decoding over a sharded KV cache: one-shot :func:`tree_decode`, reusable :class:`DecodePlan`."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
 
 import numpy as np
 
-from ._local import attend, visibility
-from ._reduce import Reducer, resolve_strategy
-from ._ring import ring_reduce
-from ._runtime import default_comm, limit_blas_threads
-from ._state import State
-from ._topology import node_size as resolve_node_size
-from ._validate import (
-    Shapes,
-    agree,
-    check_comm,
-    check_finite,
-    check_masking,
-    check_shapes,
-    check_strategy,
-    checksum,
-    resolve_scale,
-)
+from ._checks import Problem, check_finite, check_masking, check_qkv
+from ._guard import Call, agree, check_comm, entry_point
+from ._local import attend
+from ._masks import visibility
+from ._merger import Merger, merger_for
+from ._namespace import NumpyLike
+from ._options import Options
+from ._runtime import limit_blas_threads
+from ._state import State, finish
+from ._strategies import op_needed, resolve
+
+_HOST = NumpyLike("numpy", np)
 
 
-def _invalid_elsewhere(rank):
-    """Return the error raised on ranks whose own input was fine."""
-    return ValueError(f"mpitree: invalid input on rank {rank} (see that rank's error)")
+def checksum(ns, x):
+    """Return a cheap CRC-32 of an array's values, to check every rank holds the same ``q``."""
+    return zlib.crc32(np.ascontiguousarray(ns.to_numpy(x)).view(np.uint8))
+
+
+@dataclass
+class Attention:
+    """One rank's validated share of an attention step: what a merger asks it to compute."""
+
+    ns: object
+    q: object
+    k: object
+    v: object
+    scale: float
+    lens: object = None
+    vis: object = None
+
+    @property
+    def q_len(self):
+        """``Sq``."""
+        return int(self.q.shape[2])
+
+    def fill(self, records):
+        """Write this shard's state into host records ``(rows, D + 2)``."""
+        attend(
+            self.ns, self.q, self.k, self.v, self.scale, self.lens, self.vis, self._rows(records)
+        )
+
+    def _rows(self, records):
+        """Return records viewed as ``(B, Hq, Sq, D + 2)``."""
+        return records.reshape(*(int(s) for s in self.q.shape[:3]), records.shape[-1])
+
+    def block(self):
+        """Return the shard as contiguous host arrays for the ring: k, v, int64 lengths, vis."""
+        k, v = (np.ascontiguousarray(self.ns.to_numpy(x)) for x in (self.k, self.v))
+        t = k.shape[2]
+        if self.lens is None:
+            lens = np.full(k.shape[0], t, np.int64)
+        else:
+            lens = np.ascontiguousarray(self.ns.to_numpy(self.lens), dtype=np.int64)
+        vis = None if self.vis is None else np.ascontiguousarray(self.ns.to_numpy(self.vis))
+        return k, v, lens, vis
+
+    def attend_block(self, k, v, lens, vis, out):
+        """Write the state of q over another rank's block into ``out`` records."""
+        q = np.ascontiguousarray(self.ns.to_numpy(self.q)).astype(k.dtype, copy=False)
+        attend(_HOST, q, k, v, self.scale, lens, vis, self._rows(out))
+
+
+def prepare_attention(q, k, v, kv_len, q_pos, k_pos, mask, options):
+    """Local checks of one attention call; return (Problem, Options, Attention, signature)."""
+    ns, problem, t = check_qkv(q, k, v)
+    kv_len, q_pos, k_pos, mask = check_masking(ns, problem, t, kv_len, q_pos, k_pos, mask)
+    options = Options.resolve(problem.head_dim, **options)
+    lens, vis = visibility(ns, problem.batch, problem.q_len, t, kv_len, q_pos, k_pos, mask)
+    signature = {**problem.signature(), **options.signature()}
+    if options.validate:
+        check_finite(ns, {"q": q, "k": k, "v": v})
+        signature["q (checksum)"] = checksum(ns, q)
+    return problem, options, Attention(ns, q, k, v, options.scale, lens, vis), signature
+
+
+def _staged(x):
+    """``x`` if its records must be staged from a device, else None."""
+    return None if isinstance(x, np.ndarray) else x
 
 
 class DecodePlan:
     """A decode step for fixed shapes, reusable across a decode loop.
 
-    Construction is collective over ``comm``: it checks with one small collective
-    that every rank agrees on the shapes, dtype, scale and strategy, and
-    preallocates the state buffer (and a persistent ``MPI_Allreduce_init``
-    request where the MPI library supports it). Each :meth:`decode` then pays
-    only for local attention and one collective. Free it with :meth:`free`, or
-    use it as a context manager.
+    Construction is collective over ``comm``: one small agreement collective
+    checks that every rank agrees on the shapes, dtype, scale and strategy, and
+    the plan's merger preallocates the record buffer (and a persistent
+    ``MPI_Allreduce_init`` request where the MPI library supports it). Each
+    :meth:`decode` then pays only for local attention and one collective, which
+    also carries every rank's verdict on its own inputs. Free it with
+    :meth:`free` or a ``with`` block; a plan that is dropped frees its request
+    when it is collected.
 
     Parameters
     ----------
@@ -42,8 +106,9 @@ class DecodePlan:
         ``B``, ``Hq``, ``Hkv`` (``Hq % Hkv == 0``) and ``D``.
     q_len : int, optional
         ``Sq``, query tokens per step (default 1).
-    dtype : numpy dtype, optional
-        dtype of q, k, v: float16, float32 (default) or float64.
+    dtype : dtype or str, optional
+        dtype of q, k, v: float16, bfloat16 (torch), float32 (default) or float64;
+        numpy, torch or a name.
     comm : mpi4py.MPI.Intracomm, optional
         Default: mpitree's private duplicate of ``COMM_WORLD``.
     scale : float, optional
@@ -62,8 +127,16 @@ class DecodePlan:
     validate : bool, optional
         Debug mode: every step also checks that q, k, v are finite and that q is the
         same on every rank (a checksum, one extra small collective per step).
+
+    Attributes
+    ----------
+    strategy : str
+        The strategy that runs (``"auto"`` resolved, agreed by every rank).
+    problem : Problem
+        The agreed shapes and dtype.
     """
 
+    @entry_point
     def __init__(
         self,
         batch,
@@ -80,63 +153,53 @@ class DecodePlan:
         deterministic=False,
         validate=False,
     ):
-        def inspect():
-            q = np.empty((batch, q_heads, q_len, head_dim), dtype=dtype)
-            kv = np.empty((batch, kv_heads, 0, head_dim), dtype=dtype)
-            return check_shapes(q, kv, kv)
+        comm = check_comm(comm)
 
-        comm, shapes, scale, node_size = checked_call(
-            comm,
-            None,
-            None,
-            None,
-            scale=scale,
-            kv_len=None,
-            q_pos=None,
-            k_pos=None,
-            mask=None,
-            strategy=strategy,
-            node_size=node_size,
-            deterministic=deterministic,
-            inspect=inspect,
-        )
-        self._setup(comm, shapes, scale, strategy, node_size, deterministic, validate, True)
-
-    @classmethod
-    def _agreed(cls, comm, shapes, scale, strategy, node_size, deterministic):
-        """Build a one-shot plan for inputs already checked and agreed on."""
-        plan = cls.__new__(cls)
-        plan._setup(comm, shapes, scale, strategy, node_size, deterministic, False, False)
-        return plan
-
-    def _setup(self, comm, shapes, scale, strategy, node_size, deterministic, validate, persistent):
-        """Allocate buffers and the reduction for a validated problem."""
-        limit_blas_threads()
-        self.comm = comm
-        self.shapes = shapes
-        self.scale = scale
-        self.validate = validate
-        self._agreement = dict(node_size=node_size, deterministic=deterministic)
-        self._requested = strategy
-        self.strategy = resolve_strategy(strategy, comm, node_size, deterministic)
-        rows = shapes.rows
-        if self.strategy == "ring":
-            self._reducer = None
-            self._records = np.empty((rows, shapes.head_dim + 2), dtype=shapes.acc_dtype)
-        else:
-            self._reducer = Reducer(
-                comm, rows, shapes.head_dim, shapes.acc_dtype, self.strategy, persistent=persistent
+        def prepare():
+            problem = Problem.of(batch, q_heads, kv_heads, head_dim, q_len, dtype)
+            options = Options.resolve(
+                problem.head_dim, strategy, scale, deterministic, node_size, validate
             )
-            self._records = self._reducer.records
+            op = op_needed(strategy, options.deterministic, problem.acc, problem.head_dim)
+            sig = {**problem.signature(), **options.signature()}
+            return Call(sig, (problem, options), op=op)
 
+        call = agree(comm, prepare)
+        self.problem, self.options = call.payload
+        self.comm = comm
+        opts = self.options
+        self.strategy = resolve(
+            opts.strategy, comm, call.native, opts.node_size, opts.deterministic
+        )
+        limit_blas_threads()
+        self._merger = Merger(
+            comm,
+            self.problem.rows,
+            self.problem.head_dim,
+            self.problem.acc,
+            self.strategy,
+            node_size=opts.node_size,
+        )
+
+    @property
+    def scale(self):
+        """The logit scale every rank agreed on."""
+        return self.options.scale
+
+    @property
+    def node_size(self):
+        """The virtual node size (0: real nodes) the plan's merges run on."""
+        return self.options.node_size
+
+    @entry_point
     def decode(self, q, k, v, *, kv_len=None, q_pos=None, k_pos=None, mask=None, return_lse=False):
         """Run one decode step; collective over the plan's communicator.
 
         Parameters
         ----------
-        q : numpy.ndarray
-            ``(B, Hq, Sq, D)``, identical on every rank.
-        k, v : numpy.ndarray
+        q : array
+            ``(B, Hq, Sq, D)``, identical on every rank: numpy, or torch/CuPy/JAX.
+        k, v : array
             ``(B, Hkv, T, D)``: this rank's shard; ``T`` may differ per rank and be 0.
         kv_len, q_pos, k_pos, mask
             As in :func:`mpitree.tree_decode`.
@@ -145,53 +208,40 @@ class DecodePlan:
 
         Returns
         -------
-        out : numpy.ndarray
-            ``(B, Hq, Sq, D)`` in q's dtype; 0 for rows that see no key.
-        lse : numpy.ndarray
+        out : array
+            ``(B, Hq, Sq, D)`` in q's framework, dtype and device; 0 for rows that see
+            no key.
+        lse : array
             ``(B, Hq, Sq)``, float32, natural log; -inf for rows that see no key.
             Only with ``return_lse=True``.
+
+        Raises
+        ------
+        Exception
+            On every rank when any rank's inputs are invalid or do not match the
+            plan; the plan stays usable.
         """
-        error = lens = vis = None
-        try:
-            shapes = check_shapes(q, k, v)
-            if shapes != self.shapes:
-                raise ValueError(f"inputs {shapes} do not match the plan's {self.shapes}")
-            check_masking(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
-            lens, vis = visibility(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
-            if self.validate:
-                check_finite(q, k, v)
-        except (TypeError, ValueError) as exc:
-            error = exc
-        if self.validate:
-            agree(
-                self.comm,
-                error,
-                self.shapes,
-                self._requested,
-                self.scale,
-                q_sum=0 if error else checksum(q),
-                **self._agreement,
-            )
-        sh = self.shapes
-        records = self._records.reshape(sh.batch, sh.q_heads, sh.q_len, sh.head_dim + 2)
-        if self.strategy == "ring":
-            bad = ring_reduce(self.comm, q, k, v, self.scale, lens, vis, records, error is not None)
+        masking = dict(kv_len=kv_len, q_pos=q_pos, k_pos=k_pos, mask=mask)
+        if self.options.validate:
+            step = agree(self.comm, lambda: self._prepare(q, k, v, masking)).payload
         else:
-            if error is None:
-                attend(q, k, v, self.scale, lens, vis, records)
-            bad = self._reducer.run(failed=error is not None)
-        if error is not None:
-            raise error
-        if bad is not None:
-            raise _invalid_elsewhere(bad)
-        state = State(records)
-        out = state.output(q.dtype)
-        return (out, state.lse()) if return_lse else out
+            step = _LazyStep(self, q, k, v, masking)
+        records = self._merger.merge(step)
+        return finish(records.reshape(*self.problem.row_shape, -1), q, return_lse)
+
+    def _prepare(self, q, k, v, masking):
+        """Validate one step's inputs against the plan; return its :class:`Call`."""
+        opts = self.options
+        given = dict(strategy=opts.strategy, scale=opts.scale, deterministic=opts.deterministic)
+        given.update(node_size=opts.node_size, validate=opts.validate)
+        problem, _, step, sig = prepare_attention(q, k, v, **masking, options=given)
+        if problem != self.problem:
+            raise ValueError(f"inputs {problem} do not match the plan's {self.problem}")
+        return Call(sig, step)
 
     def free(self):
         """Release the plan's MPI request (buffers go with the object)."""
-        if self._reducer is not None:
-            self._reducer.free()
+        self._merger.free()
 
     def __enter__(self):
         return self
@@ -201,68 +251,32 @@ class DecodePlan:
 
     def __repr__(self):
         return (
-            f"DecodePlan({self.shapes}, strategy={self.strategy!r}, ranks={self.comm.Get_size()})"
+            f"DecodePlan({self.problem}, strategy={self.strategy!r}, ranks={self.comm.Get_size()})"
         )
 
 
-def checked_call(
-    comm,
-    q,
-    k,
-    v,
-    *,
-    scale,
-    kv_len,
-    q_pos,
-    k_pos,
-    mask,
-    strategy="auto",
-    node_size=None,
-    deterministic=False,
-    validate=False,
-    extra=None,
-    inspect=None,
-):
-    """Validate one call's inputs locally, then agree across ranks (raising on all ranks).
+class _LazyStep:
+    """A plan step whose local checks run inside the merge's guard (no extra collective)."""
 
-    ``inspect()``, if given, validates the inputs and returns their :class:`Shapes`
-    (for plans and framework adapters); by default q, k, v and the masking
-    arguments are checked as numpy arrays. ``extra``, if given, is one more local
-    check. Both raise TypeError/ValueError. Returns the resolved
-    ``(comm, shapes, scale, node_size)``. One small collective.
-    """
-    comm = default_comm() if comm is None else comm
-    check_comm(comm)
-    error = shapes = None
-    try:
-        check_strategy(strategy)
-        if inspect is not None:
-            shapes = inspect()
-        else:
-            shapes = check_shapes(q, k, v)
-            check_masking(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
-        scale = resolve_scale(scale, shapes.head_dim)
-        node_size = resolve_node_size(node_size)
-        if validate:
-            check_finite(q, k, v)
-        if extra is not None:
-            extra()
-    except (TypeError, ValueError) as exc:
-        error = exc
-    q_sum = checksum(q) if validate and error is None else 0
-    agree(
-        comm,
-        error,
-        shapes,
-        strategy,
-        scale,
-        node_size=node_size,
-        deterministic=deterministic,
-        q_sum=q_sum,
-    )
-    return comm, shapes, scale, node_size
+    def __init__(self, plan, q, k, v, masking):
+        self.plan, self.args, self.masking, self.step = plan, (q, k, v), masking, None
+        self.q_len = plan.problem.q_len
+
+    def fill(self, records):
+        """Validate against the plan, then compute this shard's state."""
+        self.step = self.plan._prepare(*self.args, self.masking).payload
+        self.step.fill(records)
+
+    def block(self):
+        """See :meth:`Attention.block`."""
+        return self.step.block()
+
+    def attend_block(self, *args):
+        """See :meth:`Attention.attend_block`."""
+        self.step.attend_block(*args)
 
 
+@entry_point
 def tree_decode(
     q,
     k,
@@ -289,23 +303,25 @@ def tree_decode(
 
     Parameters
     ----------
-    q : numpy.ndarray
-        ``(B, Hq, Sq, D)``, float16/float32/float64, identical on every rank.
-    k, v : numpy.ndarray
-        ``(B, Hkv, T, D)``, same dtype as ``q``: this rank's shard; ``T`` may
-        differ between ranks and may be 0. ``Hq % Hkv == 0`` (GQA/MQA: query head
-        ``h`` uses kv head ``h // (Hq // Hkv)``; K/V are never repeated).
+    q : array
+        ``(B, Hq, Sq, D)``, float16/bfloat16/float32/float64, identical on every
+        rank. numpy, or torch (CPU or CUDA), CuPy or JAX: the framework is
+        recognised without being imported, and results come back in it.
+    k, v : array
+        ``(B, Hkv, T, D)``, same dtype and framework as ``q``: this rank's shard;
+        ``T`` may differ between ranks and may be 0. ``Hq % Hkv == 0`` (GQA/MQA:
+        query head ``h`` uses kv head ``h // (Hq // Hkv)``; K/V are never repeated).
     comm : mpi4py.MPI.Intracomm, optional
         Default: mpitree's private duplicate of ``COMM_WORLD``.
     scale : float, optional
         Logit scale, default ``1/sqrt(D)``.
-    kv_len : numpy.ndarray, optional
+    kv_len : array, optional
         int ``(B,)``: valid keys per batch row in this shard; keys at index
         ``>= kv_len[b]`` are ignored.
-    q_pos, k_pos : numpy.ndarray, optional
+    q_pos, k_pos : array, optional
         int ``(B, Sq)`` and ``(B, T)``: global positions; key j is visible to
         query i iff ``k_pos[b, j] <= q_pos[b, i]``. Give both or neither.
-    mask : numpy.ndarray, optional
+    mask : array, optional
         bool, broadcastable to ``(B, Hq or 1, Sq, T)``; True = attend. Combines
         with ``kv_len`` and positions (a key must pass all three).
     strategy : str, optional
@@ -315,57 +331,62 @@ def tree_decode(
         Attention baseline: K/V travel the ring), ``"hierarchical"`` (reduce
         inside each node, all-reduce among node leaders, broadcast inside nodes)
         or ``"auto"`` (default: ``"allreduce"`` on one node, ``"hierarchical"``
-        across nodes; without the native op, ``"allgather"`` up to 8 ranks and
-        ``"allreduce3"`` beyond).
+        across nodes under Open MPI; without the native op on every rank,
+        ``"allgather"`` up to 8 ranks and ``"allreduce3"`` beyond).
     return_lse : bool, optional
         Also return the log-sum-exp.
     deterministic, validate, node_size
-        As in :class:`DecodePlan`. In validate mode q's checksum joins the one
-        agreement collective every call already makes.
+        As in :class:`DecodePlan`.
 
     Returns
     -------
-    out : numpy.ndarray
-        ``(B, Hq, Sq, D)`` in q's dtype; 0 for rows that see no key on any rank.
-    lse : numpy.ndarray
+    out : array
+        ``(B, Hq, Sq, D)`` in q's framework, dtype and device; 0 for rows that see
+        no key on any rank.
+    lse : array
         ``(B, Hq, Sq)``, float32, natural log; -inf for rows that see no key.
         Only with ``return_lse=True``.
 
     Raises
     ------
-    TypeError, ValueError
-        On every rank, when any rank's input is invalid or ranks disagree on
-        shapes, dtype, scale or strategy.
+    Exception
+        On every rank, when any rank's input is invalid (that rank raises its own
+        ``TypeError``/``ValueError``, the others :class:`mpitree.RankError`) or
+        ranks disagree on shapes, dtype, scale or strategy (``ValueError``).
+
+    Notes
+    -----
+    Keys excluded by ``kv_len``, positions or the mask contribute exactly
+    nothing: NaN or Inf in a cache's unused slots never reaches the output.
+    Two collectives: the agreement and the merge (a :class:`DecodePlan` pays the
+    agreement once).
 
     Examples
     --------
     >>> out = mpitree.tree_decode(q, k_shard, v_shard)  # doctest: +SKIP
     """
-    comm, shapes, scale, node_size = checked_call(
-        comm,
-        q,
-        k,
-        v,
-        scale=scale,
-        kv_len=kv_len,
-        q_pos=q_pos,
-        k_pos=k_pos,
-        mask=mask,
-        strategy=strategy,
-        node_size=node_size,
-        deterministic=deterministic,
-        validate=validate,
+    comm = check_comm(comm)
+    options = dict(strategy=strategy, scale=scale, deterministic=deterministic)
+    options.update(validate=validate, node_size=node_size)
+
+    def prepare():
+        problem, opts, step, sig = prepare_attention(q, k, v, kv_len, q_pos, k_pos, mask, options)
+        op = op_needed(opts.strategy, opts.deterministic, problem.acc, problem.head_dim)
+        return Call(sig, (problem, opts, step), op=op)
+
+    call = agree(comm, prepare)
+    problem, opts, step = call.payload
+    limit_blas_threads()
+    chosen = resolve(opts.strategy, comm, call.native, opts.node_size, opts.deterministic)
+    merger = merger_for(
+        comm, problem.rows, problem.head_dim, problem.acc, chosen, opts.node_size, _staged(q)
     )
-    plan = DecodePlan._agreed(comm, shapes, scale, strategy, node_size, deterministic)
-    with plan:
-        return plan.decode(
-            q, k, v, kv_len=kv_len, q_pos=q_pos, k_pos=k_pos, mask=mask, return_lse=return_lse
-        )
+    records = merger.merge(step)
+    return finish(records.reshape(*problem.row_shape, -1), q, return_lse)
 
 
-def allreduce_state(
-    state, comm=None, strategy="auto", *, check=True, deterministic=False, node_size=None
-):
+@entry_point
+def allreduce_state(state, comm=None, strategy="auto", *, deterministic=False, node_size=None):
     """Merge a :class:`State` across ranks; every rank gets the merged state.
 
     Parameters
@@ -376,9 +397,6 @@ def allreduce_state(
         Default: mpitree's private duplicate of ``COMM_WORLD``.
     strategy : {"auto", "allreduce", "allreduce3", "allgather", "hierarchical"}, optional
         ``"ring"`` needs K/V and is only available through :func:`tree_decode`.
-    check : bool, optional
-        Check cross-rank agreement on shape, dtype and strategy first (one small
-        extra collective). Pass False in a loop once the shapes are known good.
     deterministic, node_size
         As in :class:`DecodePlan`.
 
@@ -387,30 +405,28 @@ def allreduce_state(
     State
         A new state with the same row shape and dtype.
     """
-    comm = default_comm() if comm is None else comm
-    check_comm(comm)
-    error = shapes = None
-    try:
+    comm = check_comm(comm)
+
+    def prepare():
         if not isinstance(state, State):
             raise TypeError(f"state must be an mpitree.State, got {type(state).__name__}")
-        check_strategy(strategy)
-        if strategy == "ring":
+        opts = Options.resolve(state.head_dim, strategy, None, deterministic, node_size)
+        if opts.strategy == "ring":
             raise ValueError("strategy 'ring' moves K/V; use tree_decode for it")
-        rows = int(np.prod(state.shape))
-        shapes = Shapes(rows, 1, 1, 1, state.head_dim, state.records.dtype)
-        node_size = resolve_node_size(node_size)
-    except (TypeError, ValueError) as exc:
-        error = exc
-    if check:
-        agree(comm, error, shapes, strategy, node_size=node_size, deterministic=deterministic)
-    elif error is not None:
-        raise error
-    strategy = resolve_strategy(strategy, comm, node_size, deterministic)
-    reducer = Reducer(
-        comm, shapes.rows, shapes.head_dim, shapes.dtype, strategy, node_size=node_size
+        acc = state.records.dtype.name
+        sig = {"rows": tuple(state.shape), "head_dim": state.head_dim, "dtype": acc}
+        sig.update(opts.signature())
+        return Call(sig, opts, op=op_needed(opts.strategy, opts.deterministic, acc, state.head_dim))
+
+    call = agree(comm, prepare)
+    opts = call.payload
+    chosen = resolve(opts.strategy, comm, call.native, opts.node_size, opts.deterministic)
+    rows = int(np.prod(state.shape))
+    merger = merger_for(
+        comm, rows, state.head_dim, state.records.dtype.name, chosen, opts.node_size
     )
-    reducer.records[...] = state.records.reshape(shapes.rows, -1)
-    bad = reducer.run()
-    if bad is not None:
-        raise _invalid_elsewhere(bad)
-    return State(reducer.records.reshape(state.records.shape).copy())
+
+    def fill(records):
+        records[...] = state.records.reshape(rows, -1)
+
+    return State(merger.merge(fill).reshape(state.records.shape).copy())

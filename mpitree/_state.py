@@ -1,12 +1,89 @@
-"""The partial online-softmax state (m, d, n) of attention rows."""
+"""The partial online-softmax state (m, d, n) of attention rows, and its record arithmetic."""
+
+from __future__ import annotations
 
 import math
 
 import numpy as np
 
-from ._records import combine_records
+from ._namespace import namespace
 
 _LN2 = math.log(2.0)
+
+
+def _weights(xp, m_parts, m):
+    """Return exp(m_part - m), with 0 where m_part is -inf (the empty state)."""
+    shift = xp.where(xp.isneginf(m), 0, m)
+    return xp.exp(m_parts - shift)[..., None]
+
+
+def combine_records(a, b):
+    """Merge two record arrays ``(..., D + 2)`` laid out as ``[m, d, n_0..n_{D-1}]``.
+
+    Associative and commutative; an all -inf record is the identity; never NaN
+    unless an input holds NaN. numpy or CuPy.
+    """
+    ns = namespace(a, b)
+    xp = ns.xp
+    m = xp.maximum(a[..., :1], b[..., :1])
+    rest = (
+        _weights(xp, a[..., 0], m[..., 0]) * a[..., 1:]
+        + _weights(xp, b[..., 0], m[..., 0]) * b[..., 1:]
+    )
+    return xp.concatenate([m, rest], axis=-1)
+
+
+def merge_records(parts, axis=0):
+    """Merge records stacked along ``axis`` in one pass (fixed order: bitwise reproducible)."""
+    xp = namespace(parts).xp
+    m = parts[..., 0].max(axis=axis)
+    w = _weights(xp, parts[..., 0], xp.expand_dims(m, axis))
+    return xp.concatenate([m[..., None], (w * parts[..., 1:]).sum(axis=axis)], axis=-1)
+
+
+def empty_records(records):
+    """Set host records to the empty state in place."""
+    records[..., 0] = -np.inf
+    records[..., 1:] = 0
+
+
+def output_of(records, dtype=None):
+    """Return ``n / d`` of host records, ``(..., D)``; 0 for empty rows, NaN stays NaN."""
+    d = records[..., 1:2]
+    out = np.zeros(records[..., 2:].shape, dtype=records.dtype)
+    np.divide(records[..., 2:], d, out=out, where=d != 0)
+    return out if dtype is None else out.astype(dtype, copy=False)
+
+
+def lse_of(records, base="e", dtype=np.float32):
+    """Return ``m + log(d)`` of host records, ``(...)``; -inf for empty rows."""
+    d = records[..., 1]
+    lse = np.full(d.shape, -np.inf, dtype=records.dtype)
+    np.log(d, out=lse, where=d != 0)
+    lse += records[..., 0]
+    if base == 2:
+        lse /= _LN2
+    elif base != "e":
+        raise ValueError(f"base must be 'e' or 2, got {base!r}")
+    return lse.astype(dtype, copy=False)
+
+
+def finish(records, like, return_lse=False):
+    """Turn merged host records ``(B, Hq, Sq, D + 2)`` into ``like``'s framework and dtype.
+
+    Returns the output ``(B, Hq, Sq, D)`` in ``like``'s dtype and device (and the
+    lse ``(B, Hq, Sq)``, float32, natural log). The records are not aliased.
+    """
+    ns = namespace(like)
+    name = str(like.dtype).rsplit(".", 1)[-1]
+    host_dtype = None if name == "bfloat16" else np.dtype(name)
+    out = output_of(records, host_dtype if ns.name == "numpy" else None)
+    if ns.name != "numpy":
+        out = ns.astype(ns.from_numpy(out, like), name)
+    if not return_lse:
+        return out
+    lse = lse_of(records)
+    return out, (lse if ns.name == "numpy" else ns.from_numpy(lse, like))
 
 
 class State:
@@ -27,7 +104,8 @@ class State:
     __slots__ = ("records",)
 
     def __init__(self, records):
-        records = np.asarray(records)
+        if not isinstance(records, np.ndarray):
+            raise TypeError(f"State records must be a numpy array, got {type(records).__name__}")
         if records.dtype not in (np.float32, np.float64):
             raise TypeError(f"State records must be float32 or float64, got {records.dtype}")
         if records.ndim < 1 or records.shape[-1] < 3:
@@ -47,13 +125,18 @@ class State:
         dtype : numpy dtype, optional
             float32 (default) or float64.
         """
-        rec = np.zeros((*shape, head_dim + 2), dtype=dtype)
-        rec[..., 0] = -np.inf
+        rec = np.empty((*shape, head_dim + 2), dtype=dtype)
+        empty_records(rec)
         return cls(rec)
 
     @classmethod
     def from_lse(cls, out, lse, *, base="e"):
         """Build a state from an attention output and its log-sum-exp.
+
+        Conventions for a row that saw no key differ: mpitree and FlashInfer write
+        ``lse = -inf``; flash-attn (FA2) and vLLM's ``merge_attn_states`` write
+        ``+inf`` (with output 0). Both become the empty state here, so such rows
+        merge as the identity and never as NaN. A finite lse keeps its row.
 
         Parameters
         ----------
@@ -61,10 +144,11 @@ class State:
             ``(..., D)``, any float dtype: normalised attention output over some keys.
         lse : numpy.ndarray
             ``(...)``: log-sum-exp of the scaled logits over the same keys; ``-inf``
-            for a row that saw no key.
+            or ``+inf`` for a row that saw no key.
         base : {"e", 2}, optional
             Log base of ``lse``. mpitree works in natural log; FlashInfer's
-            ``merge_state`` uses base 2, vLLM's ``merge_attn_states`` base e.
+            ``merge_state`` uses base 2, vLLM's ``merge_attn_states`` and flash-attn
+            base e.
 
         Returns
         -------
@@ -80,9 +164,9 @@ class State:
             lse = lse * dtype(_LN2)
         elif base != "e":
             raise ValueError(f"base must be 'e' or 2, got {base!r}")
-        seen = ~np.isneginf(lse)
+        seen = ~np.isinf(lse)
         rec = np.empty((*out.shape[:-1], out.shape[-1] + 2), dtype=dtype)
-        rec[..., 0] = lse
+        rec[..., 0] = np.where(seen, lse, -np.inf)
         rec[..., 1] = seen
         rec[..., 2:] = np.where(seen[..., None], out, 0)
         return cls(rec)
@@ -120,10 +204,7 @@ class State:
         dtype : numpy dtype, optional
             Output dtype (default: the records' dtype).
         """
-        d = self.d[..., None]
-        out = np.zeros(self.n.shape, dtype=self.records.dtype)
-        np.divide(self.n, d, out=out, where=d != 0)  # NaN states stay NaN, never 0
-        return out if dtype is None else out.astype(dtype, copy=False)
+        return output_of(self.records, dtype)
 
     def lse(self, *, base="e", dtype=np.float32):
         """Return the log-sum-exp ``m + log(d)``, ``(...)``; -inf for empty rows.
@@ -135,15 +216,7 @@ class State:
         dtype : numpy dtype, optional
             Result dtype, float32 by default (computed in the records' dtype).
         """
-        d = self.d
-        lse = np.full(d.shape, -np.inf, dtype=self.records.dtype)
-        np.log(d, out=lse, where=d != 0)
-        lse += self.m
-        if base == 2:
-            lse /= _LN2
-        elif base != "e":
-            raise ValueError(f"base must be 'e' or 2, got {base!r}")
-        return lse.astype(dtype, copy=False)
+        return lse_of(self.records, base, dtype)
 
     def __repr__(self):
         return f"State(shape={self.shape}, head_dim={self.head_dim}, dtype={self.records.dtype})"
@@ -162,6 +235,8 @@ def combine(a, b):
     State
         The state of the union of both key sets, in the wider of the two dtypes.
     """
+    if not isinstance(a, State) or not isinstance(b, State):
+        raise TypeError("combine takes two mpitree.State objects")
     if a.head_dim != b.head_dim:
         raise ValueError(f"head dims differ: {a.head_dim} vs {b.head_dim}")
     return State(combine_records(a.records, b.records))

@@ -1,12 +1,12 @@
 """Which ranks of a communicator share a node, cached on the communicator itself."""
 
-import os
+import threading
 from dataclasses import dataclass
 
 from mpi4py import MPI
 
-NODE_SIZE_ENV = "MPITREE_NODE_SIZE"
 _keyval = None
+_lock = threading.Lock()
 
 
 @dataclass
@@ -23,19 +23,6 @@ class Layout:
         for c in (self.node, self.leaders):
             if c != MPI.COMM_NULL and not MPI.Is_finalized():
                 c.Free()
-
-
-def node_size(value=None):
-    """Resolve the virtual node size: the argument, else ``MPITREE_NODE_SIZE``, else 0 (real)."""
-    if value is None:
-        value = os.environ.get(NODE_SIZE_ENV, "0") or "0"
-    try:
-        value = int(value)
-    except ValueError:
-        raise ValueError(f"node size must be an integer, got {value!r}") from None
-    if value < 0:
-        raise ValueError(f"node size must be >= 0 (0: real nodes), got {value}")
-    return value
 
 
 def _delete(comm, keyval, layouts):
@@ -61,7 +48,9 @@ def layout(comm, size=0):
     """Return the node layout of ``comm``; collective over ``comm`` on first use per size."""
     global _keyval
     if _keyval is None:
-        _keyval = MPI.Comm.Create_keyval(delete_fn=_delete)
+        with _lock:
+            if _keyval is None:
+                _keyval = MPI.Comm.Create_keyval(delete_fn=_delete)
     cache = comm.Get_attr(_keyval)
     if cache is None:
         cache = {}

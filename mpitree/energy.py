@@ -20,131 +20,22 @@ its second derivative is the covariance of v under the attention distribution
   merged across ranks in the same single all-reduce.
 """
 
-import sys
+from __future__ import annotations
 
 import numpy as np
+from mpi4py import MPI
 
-from ._local import attend, visibility
-from ._plan import allreduce_state, checked_call
-from ._state import State
+from ._guard import Call, agree, check_comm, entry_point, flagged_allreduce
+from ._local import grouped_keep, weighted_values
+from ._merger import merger_for
+from ._namespace import NumpyLike, is_array, namespace
+from ._plan import prepare_attention
+from ._state import lse_of, output_of
+from ._strategies import resolve
 
 __all__ = ["attention_variance", "free_energy", "tree_energy"]
 
-
-# ----------------------------------------------------------------------------------------
-# free_energy: one process, numpy / torch / JAX
-# ----------------------------------------------------------------------------------------
-
-
-class _Numpy:
-    """numpy operations used by the energy (the reference)."""
-
-    @staticmethod
-    def einsum(spec, a, b):
-        return np.einsum(spec, a, b)
-
-    @staticmethod
-    def amax(x, axis):
-        return x.max(axis=axis, keepdims=True)
-
-    @staticmethod
-    def stop_gradient(x):
-        return x
-
-    exp, log, where, isneginf = np.exp, np.log, np.where, np.isneginf
-
-    @staticmethod
-    def full_like(x, value):
-        return np.full_like(x, value)
-
-    @staticmethod
-    def causal(n, like):
-        return np.tril(np.ones((n, n), dtype=bool))
-
-
-class _Torch:
-    """torch operations (autograd-friendly: masked entries get zero gradient)."""
-
-    def __init__(self):
-        import torch
-
-        self.t = torch
-
-    def einsum(self, spec, a, b):
-        return self.t.einsum(spec, a, b)
-
-    def amax(self, x, axis):
-        return self.t.amax(x, dim=axis, keepdim=True)
-
-    def stop_gradient(self, x):
-        return x.detach()
-
-    def exp(self, x):
-        return self.t.exp(x)
-
-    def log(self, x):
-        return self.t.log(x)
-
-    def where(self, c, a, b):
-        return self.t.where(c, a, b)
-
-    def isneginf(self, x):
-        return self.t.isneginf(x)
-
-    def full_like(self, x, value):
-        return self.t.full_like(x, value)
-
-    def causal(self, n, like):
-        return self.t.tril(self.t.ones((n, n), dtype=self.t.bool, device=like.device))
-
-
-class _Jax:
-    """jax.numpy operations."""
-
-    def __init__(self):
-        import jax
-        import jax.numpy as jnp
-
-        self.jax, self.np = jax, jnp
-
-    def einsum(self, spec, a, b):
-        return self.np.einsum(spec, a, b)
-
-    def amax(self, x, axis):
-        return self.np.max(x, axis=axis, keepdims=True)
-
-    def stop_gradient(self, x):
-        return self.jax.lax.stop_gradient(x)
-
-    def exp(self, x):
-        return self.np.exp(x)
-
-    def log(self, x):
-        return self.np.log(x)
-
-    def where(self, c, a, b):
-        return self.np.where(c, a, b)
-
-    def isneginf(self, x):
-        return self.np.isneginf(x)
-
-    def full_like(self, x, value):
-        return self.np.full_like(x, value)
-
-    def causal(self, n, like):
-        return self.np.tril(self.np.ones((n, n), dtype=bool))
-
-
-def _backend(x):
-    """Pick operations by the array's type, importing a framework only if its array is here."""
-    module = type(x).__module__.split(".")[0]
-    if module == "torch" and "torch" in sys.modules:
-        return _Torch()
-    if module in ("jax", "jaxlib") and "jax" in sys.modules:
-        return _Jax()
-    if isinstance(x, np.ndarray):
-        return _Numpy
-    raise TypeError(f"free_energy takes numpy, torch or JAX arrays, got {type(x).__name__}")
+_HOST = NumpyLike("numpy", np)
 
 
 def free_energy(q, k, v, zeta=None, *, scale=None, causal=False, mask=None, shift="max"):
@@ -165,6 +56,8 @@ def free_energy(q, k, v, zeta=None, *, scale=None, causal=False, mask=None, shif
         summing the result gives the paper's ``F_tot``.
     mask : array of bool, optional
         Broadcastable to ``(B, Hq, Sq, N)``; True = attend. Combines with ``causal``.
+        Values of keys that no row sees may be garbage (NaN/Inf): they never reach
+        the energy or its gradient.
     shift : {"max"} or float or array, optional
         The safe-softmax shift ``c`` in ``F = c + log sum exp(x - c)`` (appendix 11):
         ``"max"`` (default) uses the row max, held constant for differentiation;
@@ -177,33 +70,40 @@ def free_energy(q, k, v, zeta=None, *, scale=None, causal=False, mask=None, shif
         ``(B, Hq, Sq)``, same type and dtype as q; ``-inf`` for rows that see no key.
         Its gradient with respect to ``zeta`` is the attention output.
     """
-    ops = _backend(q)
-    b, hq, sq, dim = q.shape
-    hkv, n = k.shape[1], k.shape[2]
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not is_array(x):
+            raise TypeError(f"free_energy takes numpy, torch or JAX arrays; {name} is {type(x)}")
+    ns = namespace(q, k, v, zeta, mask)
+    b, hq, sq, dim = (int(s) for s in q.shape)
+    hkv, n = int(k.shape[1]), int(k.shape[2])
     g = hq // hkv
     scale = 1.0 / dim**0.5 if scale is None else float(scale)
-    x = ops.einsum("bhgsd,bhtd->bhgst", q.reshape(b, hkv, g, sq, dim), k) * scale
+    x = ns.einsum("bhgsd,bhtd->bhgst", q.reshape(b, hkv, g, sq, dim), k) * scale
     if zeta is not None:
-        x = x + ops.einsum("bhgsd,bhtd->bhgst", zeta.reshape(b, hkv, g, sq, dim), v)
+        vz = v
+        if mask is not None:  # keys no row sees: their values must not reach autodiff
+            m5 = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+            seen = ns.max(ns.astype(m5, "int32"), axis=(1, 2)) > 0  # (B|1, N)
+            seen = ns.broadcast_to(seen[:, None, :, None], (b, hkv, n, 1))
+            vz = ns.where(seen, v, 0)
+        x = x + ns.einsum("bhgsd,bhtd->bhgst", zeta.reshape(b, hkv, g, sq, dim), vz)
     x = x.reshape(b, hq, sq, n)
-    neg = ops.full_like(x, -float("inf"))
     if causal:
         if sq != n:
             raise ValueError(f"causal energy needs Sq == N, got {sq} and {n}")
-        x = ops.where(ops.causal(n, x), x, neg)
+        x = ns.where(ns.tril(n, like=x), x, -np.inf)
     if mask is not None:
-        x = ops.where(mask, x, neg)
+        x = ns.where(mask, x, -np.inf)
     if isinstance(shift, str):
         if shift != "max":
             raise ValueError(f"shift must be 'max', a number or an array, got {shift!r}")
-        c = ops.stop_gradient(ops.amax(x, -1))
-        c = ops.where(ops.isneginf(c), ops.full_like(c, 0.0), c)
+        c = ns.stop_gradient(ns.max(x, -1, keepdims=True))
+        c = ns.where(ns.isneginf(c), 0, c)
     else:
         c = shift if np.isscalar(shift) else shift[..., None]
-    total = ops.exp(x - c).sum(-1)
+    total = ns.sum(ns.exp(x - c), -1)
     seen = total > 0
-    safe = ops.where(seen, total, ops.full_like(total, 1.0))
-    energy = ops.where(seen, ops.log(safe), ops.full_like(total, -float("inf")))
+    energy = ns.where(seen, ns.log(ns.where(seen, total, 1.0)), -np.inf)
     return energy + (c if np.isscalar(c) else c[..., 0])
 
 
@@ -212,58 +112,65 @@ def free_energy(q, k, v, zeta=None, *, scale=None, causal=False, mask=None, shif
 # ----------------------------------------------------------------------------------------
 
 
-def _logits(q, k, v, zeta, scale, lens, vis, acc):
-    """Local logits ``scale q.k + zeta.v``, -inf where not visible, grouped by kv head.
+def _logits(step, zeta, acc):
+    """Local logits ``scale q.k + zeta.v`` (-inf where not visible) and values, grouped.
 
-    Returns x of shape (B, Hkv, G, Sq, T) and v in the accumulation dtype; GQA
-    without repeating K/V.
+    Returns x ``(B, Hkv, G*Sq, T)``, v in the accumulation dtype and the visibility
+    (or None); GQA without repeating K/V.
     """
+    q, k, v = step.q, step.k, step.v
     b, hq, sq, dim = q.shape
-    hkv, t = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     g = hq // hkv
     kk, vv = k.astype(acc, copy=False), v.astype(acc, copy=False)
-    x = np.einsum("bhgsd,bhtd->bhgst", q.astype(acc).reshape(b, hkv, g, sq, dim), kk)
-    x *= acc.type(scale)
+    x = q.astype(acc).reshape(b, hkv, g * sq, dim) @ kk.swapaxes(-1, -2)
+    x *= acc.type(step.scale)
+    keep = grouped_keep(_HOST, step.lens, step.vis, q, k)
     if zeta is not None:
-        z5 = np.asarray(zeta, dtype=acc).reshape(b, hkv, g, sq, dim)
-        x += np.einsum("bhgsd,bhtd->bhgst", z5, vv)
-    keep = np.ones((1, 1, 1, 1, t), dtype=bool)
-    if lens is not None:
-        keep = keep & (np.arange(t) < lens[:, None])[:, None, None, None, :]
-    if vis is not None:
-        keep = keep & (vis.reshape(b, hkv, g, sq, t) if vis.shape[1] > 1 else vis[:, :, None])
-    return np.where(keep, x, acc.type(-np.inf)), vv
+        clean = vv if keep is None else np.where(np.isfinite(vv), vv, 0)
+        x += np.asarray(zeta, dtype=acc).reshape(b, hkv, g * sq, dim) @ clean.swapaxes(-1, -2)
+    if keep is not None:
+        x = np.where(keep, x, acc.type(-np.inf))
+    return x, vv, keep
 
 
-def _rows(a, hq):
-    """(B, Hkv, G, Sq, ...) -> (B, Hq, Sq, ...)."""
-    return a.reshape(a.shape[0], hq, *a.shape[3:])
+def _records_of(x, vv, keep, hq, moments=None):
+    """Return the (m, d, n [, second moments]) records of grouped logits x over values vv."""
+    m = x.max(axis=-1, initial=-np.inf)
+    w = np.exp(x - np.where(np.isneginf(m), 0, m)[..., None])
+    parts = [m[..., None], w.sum(axis=-1)[..., None], weighted_values(_HOST, w, vv, keep)]
+    if moments == "diag":
+        parts.append(weighted_values(_HOST, w, vv * vv, keep))
+    elif moments == "full":
+        dim = vv.shape[-1]
+        outer = (vv[..., :, None] * vv[..., None, :]).reshape(*vv.shape[:-1], dim * dim)
+        parts.append(weighted_values(_HOST, w, outer, keep))
+    rec = np.concatenate(parts, axis=-1)
+    b, _, rows, width = rec.shape
+    return rec.reshape(b, hq, rows * x.shape[1] // hq, width)
 
 
-def _prepare(q, k, v, comm, zeta, scale, kv_len, q_pos, k_pos, mask):
-    """Validate and agree across ranks; return what the local pass needs."""
-
-    def zeta_shape():
-        if zeta is not None and np.shape(zeta) != np.shape(q):
-            raise ValueError(f"zeta must have q's shape {np.shape(q)}, got {np.shape(zeta)}")
-
-    comm, shapes, scale, _ = checked_call(
-        comm,
-        q,
-        k,
-        v,
-        scale=scale,
-        kv_len=kv_len,
-        q_pos=q_pos,
-        k_pos=k_pos,
-        mask=mask,
-        extra=zeta_shape,
-    )
-    lens, vis = visibility(shapes, k.shape[2], kv_len, q_pos, k_pos, mask)
-    acc = np.dtype(np.float64 if q.dtype == np.float64 else np.float32)
-    return comm, shapes, scale, lens, vis, acc
+def _prepare(q, k, v, zeta, scale, kv_len, q_pos, k_pos, mask, extra=None):
+    """Local checks shared by the distributed energy functions."""
+    masking = dict(kv_len=kv_len, q_pos=q_pos, k_pos=k_pos, mask=mask)
+    options = dict(strategy="allreduce", scale=scale)
+    problem, opts, step, sig = prepare_attention(q, k, v, **masking, options=options)
+    if step.ns.name != "numpy":
+        raise TypeError(f"the distributed energy takes numpy arrays, got {step.ns.name}")
+    if zeta is not None and (not isinstance(zeta, np.ndarray) or zeta.shape != q.shape):
+        raise ValueError(f"zeta must be a numpy array of q's shape {q.shape}")
+    sig.update(extra or {}, zeta=zeta is not None)
+    return problem, opts, step, sig
 
 
+def _merge_records(comm, call, problem, width, fill):
+    """Merge ``(B, Hq, Sq, width)`` records with one native all-reduce (the agreed op)."""
+    strategy = resolve("allreduce", comm, call.native)
+    merger = merger_for(comm, problem.rows, width - 2, problem.acc, strategy)
+    return merger.merge(fill).reshape(*problem.row_shape, width)
+
+
+@entry_point
 def tree_energy(
     q,
     k,
@@ -286,7 +193,7 @@ def tree_energy(
     ----------
     q, k, v, comm, scale, kv_len, q_pos, k_pos, mask
         As in :func:`mpitree.tree_decode`: q ``(B, Hq, Sq, D)`` identical on every
-        rank, k and v ``(B, Hkv, T, D)`` this rank's shard, float16/32/64.
+        rank, k and v ``(B, Hkv, T, D)`` this rank's shard, numpy float16/32/64.
     zeta : numpy.ndarray, optional
         ``(B, Hq, Sq, D)``, the source; default 0.
     algorithm : {"fused", "paper"}, optional
@@ -307,49 +214,56 @@ def tree_energy(
         ``(B, Hq, Sq, D)``, same dtype: ``dF/dzeta``, the attention output at
         ``zeta = 0``; 0 for rows that see no key.
     """
-    comm, shapes, scale, lens, vis, acc = _prepare(
-        q, k, v, comm, zeta, scale, kv_len, q_pos, k_pos, mask
-    )
-    if algorithm == "fused" and zeta is None:  # the logits are q.k: the core's own kernel
-        state = State(np.empty((*q.shape[:3], shapes.head_dim + 2), dtype=acc))
-        attend(q, k, v, scale, lens, vis, state.records)
-        state = allreduce_state(state, comm, "allreduce", check=False)
-        return state.lse(dtype=acc), state.output()
-    x, vv = _logits(q, k, v, zeta, scale, lens, vis, acc)
-    hq = shapes.q_heads
+    comm = check_comm(comm)
+
+    def prepare():
+        if algorithm not in ("fused", "paper"):
+            raise ValueError(f"algorithm must be 'fused' or 'paper', got {algorithm!r}")
+        problem, _, step, sig = _prepare(
+            q, k, v, zeta, scale, kv_len, q_pos, k_pos, mask, {"algorithm": algorithm}
+        )
+        op = (problem.acc, problem.head_dim + 2) if algorithm == "fused" else None
+        return Call(sig, (problem, step), op=op)
+
+    call = agree(comm, prepare)
+    problem, step = call.payload
+    acc = np.dtype(problem.acc)
     if algorithm == "paper":
-        from mpi4py import MPI
+        return _paper(comm, step, zeta, acc, problem.q_heads)
 
+    def fill(records):
+        rows = records.reshape(*problem.row_shape, -1)
+        if zeta is None:  # the logits are q.k: the core's own kernel
+            step.fill(records)
+        else:
+            x, vv, keep = _logits(step, zeta, acc)
+            rows[...] = _records_of(x, vv, keep, problem.q_heads)
+
+    merged = _merge_records(comm, call, problem, problem.head_dim + 2, fill)
+    return lse_of(merged, dtype=acc), output_of(merged)
+
+
+def _paper(comm, step, zeta, acc, hq):
+    """Algorithms 1 and 2: MAX of m, SUM of the partition sum, then SUM of the gradient."""
+    error = x = vv = keep = None
+    b, sq = step.q.shape[0], step.q.shape[2]
+    m = np.full((b, step.k.shape[1], hq // step.k.shape[1] * sq), -np.inf, dtype=acc)
+    try:
+        x, vv, keep = _logits(step, zeta, acc)
         m = x.max(axis=-1, initial=-np.inf)  # Algorithm 1: tree-reduce the max,
-        comm.Allreduce(MPI.IN_PLACE, m, op=MPI.MAX)
-        shift = np.where(np.isneginf(m), 0, m)[..., None]
-        total = np.exp(x - shift).sum(axis=-1)  # ... then the sum of exp(x - max)
-        comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
-        seen = total > 0
-        energy = np.where(seen, np.log(np.where(seen, total, 1)) + shift[..., 0], -np.inf)
-        f = np.where(seen, energy, 0)[..., None]  # Algorithm 2: from the saved energy,
-        grad = np.einsum("bhgst,bhtd->bhgsd", np.exp(x - f), vv)  # one sum-reduction
-        comm.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)
-        return _rows(energy, hq).astype(acc), _rows(grad, hq).astype(acc)
-    if algorithm != "fused":
-        raise ValueError(f"algorithm must be 'fused' or 'paper', got {algorithm!r}")
-    state = allreduce_state(_state_of(x, vv, acc, hq), comm, "allreduce", check=False)
-    return state.lse(dtype=acc), state.output()
+    except Exception as exc:  # the verdict rides in the first collective
+        error = exc
+    m = flagged_allreduce(comm, m, MPI.MAX, error)
+    shift = np.where(np.isneginf(m), 0, m)[..., None]
+    total = flagged_allreduce(comm, np.exp(x - shift).sum(axis=-1), MPI.SUM, None)
+    seen = total > 0  # ... then the sum of exp(x - max)
+    energy = np.where(seen, np.log(np.where(seen, total, 1)) + shift[..., 0], -np.inf)
+    f = np.where(seen, energy, 0)[..., None]  # Algorithm 2: from the saved energy,
+    grad = flagged_allreduce(comm, weighted_values(_HOST, np.exp(x - f), vv, keep), MPI.SUM, None)
+    return energy.reshape(b, hq, sq).astype(acc), grad.reshape(b, hq, sq, -1).astype(acc)
 
 
-def _state_of(x, vv, acc, hq, moments=None):
-    """Build the (m, d, n [, second moments]) records of grouped logits x over values vv."""
-    m = x.max(axis=-1, initial=-np.inf)
-    w = np.exp(x - np.where(np.isneginf(m), 0, m)[..., None])
-    parts = [m[..., None], w.sum(axis=-1)[..., None], np.einsum("bhgst,bhtd->bhgsd", w, vv)]
-    if moments == "diag":
-        parts.append(np.einsum("bhgst,bhtd->bhgsd", w, vv * vv))
-    elif moments == "full":
-        outer = np.einsum("bhgst,bhtd,bhte->bhgsde", w, vv, vv)
-        parts.append(outer.reshape(*outer.shape[:4], -1))
-    return State(_rows(np.concatenate(parts, axis=-1), hq).astype(acc))
-
-
+@entry_point
 def attention_variance(
     q, k, v, comm=None, *, scale=None, kv_len=None, q_pos=None, k_pos=None, mask=None, full=False
 ):
@@ -365,7 +279,7 @@ def attention_variance(
     ----------
     q, k, v, comm, scale, kv_len, q_pos, k_pos, mask
         As in :func:`mpitree.tree_decode`: q ``(B, Hq, Sq, D)`` identical on every
-        rank, k and v ``(B, Hkv, T, D)`` this rank's shard, float16/32/64.
+        rank, k and v ``(B, Hkv, T, D)`` this rank's shard, numpy float16/32/64.
     full : bool, optional
         Return the full ``D x D`` covariance instead of its diagonal.
 
@@ -378,14 +292,30 @@ def attention_variance(
         ``full``; 0 for rows that see no key. float64 for float64 inputs, else
         float32.
     """
-    comm, shapes, scale, lens, vis, acc = _prepare(
-        q, k, v, comm, None, scale, kv_len, q_pos, k_pos, mask
-    )
-    x, vv = _logits(q, k, v, None, scale, lens, vis, acc)
-    state = _state_of(x, vv, acc, shapes.q_heads, "full" if full else "diag")
-    merged = allreduce_state(state, comm, "allreduce", check=False)
-    dim = shapes.head_dim
-    moments = merged.output()  # every field after m divided by d: E[v], E[v v]
+    comm = check_comm(comm)
+
+    def prepare():
+        if not isinstance(full, (bool, np.bool_)):
+            raise TypeError(f"full must be True or False, got {full!r}")
+        problem, _, step, sig = _prepare(
+            q, k, v, None, scale, kv_len, q_pos, k_pos, mask, {"full": bool(full)}
+        )
+        dim = problem.head_dim
+        width = dim + 2 + (dim * dim if full else dim)
+        return Call(sig, (problem, step, width), op=(problem.acc, width))
+
+    call = agree(comm, prepare)
+    problem, step, width = call.payload
+    acc, dim = np.dtype(problem.acc), problem.head_dim
+
+    def fill(records):
+        x, vv, keep = _logits(step, None, acc)
+        moments = "full" if full else "diag"
+        records.reshape(*problem.row_shape, width)[...] = _records_of(
+            x, vv, keep, problem.q_heads, moments
+        )
+
+    moments = output_of(_merge_records(comm, call, problem, width, fill))  # E[v], E[v v]
     mean, second = moments[..., :dim], moments[..., dim:]
     if full:
         second = second.reshape(*second.shape[:-1], dim, dim)

@@ -18,87 +18,35 @@ Example (the seed's)::
     pack(beam).unpack_map     -> [[0 1 2 3], [0 1 4 5], [0 1 6 7]]
 """
 
-import sys
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import numpy as np
 
+from ._checks import check_qkv
+from ._guard import Call, agree, check_comm, entry_point
+from ._merger import merger_for
+from ._namespace import is_array, namespace
+from ._plan import prepare_attention
+from ._state import State, combine_records, finish
+from ._strategies import op_needed, resolve
+
 __all__ = ["Packed", "dedup_prefix", "greedy_accept", "pack", "unpack", "verify_attention"]
 
 
-class _NumpyOps:
-    """The few operations whose spelling differs between numpy/CuPy and torch."""
-
-    def __init__(self, xp):
-        self.xp = xp
-
-    def arange(self, n, like):
-        return self.xp.arange(n)
-
-    def eye(self, n, like):
-        return self.xp.eye(n, dtype=bool)
-
-    def argsort(self, x):
-        return self.xp.argsort(x, axis=-1, kind="stable")
-
-    def int64(self, x):
-        return x.astype(self.xp.int64)
-
-    def int32(self, x):
-        return x.astype(self.xp.int32)
-
-    def is_integer(self, x):
-        return x.dtype.kind in "iu"
-
-
-class _TorchOps:
-    """torch spellings, on the beam's device."""
-
-    def __init__(self, torch):
-        self.t = torch
-
-    def arange(self, n, like):
-        return self.t.arange(n, device=like.device)
-
-    def eye(self, n, like):
-        return self.t.eye(n, dtype=self.t.bool, device=like.device)
-
-    def argsort(self, x):
-        return self.t.argsort(x, dim=-1, stable=True)
-
-    def int64(self, x):
-        return x.to(self.t.int64)
-
-    def int32(self, x):
-        return x.to(self.t.int32)
-
-    def is_integer(self, x):
-        return not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == self.t.bool)
-
-
-def _ops(x):
-    """Pick the operations for ``x`` without importing any framework."""
-    if isinstance(x, np.ndarray):
-        return _NumpyOps(np)
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return _TorchOps(torch)
-    cupy = sys.modules.get("cupy")
-    if cupy is not None and isinstance(x, cupy.ndarray):
-        return _NumpyOps(cupy)
-    raise TypeError(f"expected a numpy, torch or CuPy array, got {type(x).__name__}")
-
-
 def _check_beam(beam):
-    """Validate a (B, M, C) integer beam; return its operations."""
-    ops = _ops(beam)
-    if not ops.is_integer(beam):
+    """Validate a (B, M, C) integer beam; return its namespace."""
+    if not is_array(beam):
+        raise TypeError(f"beam must be a numpy, torch or CuPy array, got {type(beam).__name__}")
+    ns = namespace(beam)
+    if not ns.is_integer(beam):
         raise TypeError(f"beam must hold integer token ids, got dtype {beam.dtype}")
     if beam.ndim != 3:
         raise ValueError(f"beam must have shape (B, M, C), got {tuple(beam.shape)}")
     if beam.shape[1] < 1 or beam.shape[2] < 1:
         raise ValueError(f"beam needs M >= 1 candidates of C >= 1 tokens, got {tuple(beam.shape)}")
-    return ops
+    return ns
 
 
 def dedup_prefix(beam):
@@ -121,10 +69,10 @@ def dedup_prefix(beam):
     byte per pair and depth). ``B=8, M=64, C=16`` needs 0.5 MB; ``M=1024`` about
     134 MB per 8 batch rows.
     """
-    ops = _check_beam(beam)
+    ns = _check_beam(beam)
     same = beam[:, :, None, :] == beam[:, None, :, :]  # (B, M, M', C)
-    prefix = ops.int64(same).cumprod(-1) > 0  # equal on the whole prefix up to c
-    return ops.int64(prefix).argmax(2)  # the first (lowest) match; m itself always matches
+    prefix = ns.cumprod(ns.astype(same, "int64"), -1) > 0  # equal on the whole prefix up to c
+    return ns.argmax(ns.astype(prefix, "int64"), 2)  # the first (lowest) match; m itself matches
 
 
 @dataclass
@@ -180,39 +128,39 @@ def pack(beam, padding_mask=None):
     Packed
         See :class:`Packed`; all arrays on the beam's device.
     """
-    ops = _check_beam(beam)
+    ns = _check_beam(beam)
     b, m, c = beam.shape
     tree = dedup_prefix(beam)
-    batch = ops.arange(b, beam)[:, None]
-    depth = ops.arange(c, beam)
-    new = tree == ops.arange(m, beam)[None, :, None]  # (B, M, C): a node of the tree
+    batch = ns.arange(b, beam)[:, None]
+    depth = ns.arange(c, beam)
+    new = tree == ns.arange(m, beam)[None, :, None]  # (B, M, C): a node of the tree
     new_flat = new.reshape(b, m * c)
-    counts = ops.int64(new_flat).sum(-1)
+    counts = ns.astype(new_flat, "int64").sum(-1)
     length = int(counts.max())
-    slots = ops.arange(length, beam)
+    slots = ns.arange(length, beam)
     valid = slots[None, :] < counts[:, None]
-    order = ops.argsort(ops.int64(~new_flat))[:, :length]  # nodes first, in beam order
+    order = ns.argsort(ns.astype(~new_flat, "int64"))[:, :length]  # nodes first, in beam order
     token_indices = order * valid
     flat = beam.reshape(b, m * c)
     tokens = flat[batch, token_indices]
     offsets = (token_indices % c) * valid
-    rank = ops.int64(new_flat).cumsum(-1) - 1  # packed slot of each node
+    rank = ns.astype(new_flat, "int64").cumsum(-1) - 1  # packed slot of each node
     unpack_map = rank[batch, (tree * c + depth).reshape(b, m * c)].reshape(b, m, c)
     # j is an ancestor-or-self of i iff depth_j <= depth_i and candidate m_i's
     # prefix of depth_j is node j
-    rows = ops.int32(unpack_map)[batch, token_indices // c]  # (B, L, C): each node's path
+    rows = ns.astype(unpack_map, "int32")[batch, token_indices // c]  # (B, L, C): each node's path
     mask = rows[batch[:, :, None], slots[None, :, None], offsets[:, None, :]]  # (B, L, L)
-    mask = mask == ops.int32(slots)[None, None, :]
-    mask &= offsets[:, None, :] <= offsets[:, :, None]
-    mask &= valid[:, None, :] & valid[:, :, None]
-    mask |= ops.eye(length, beam)[None] & ~valid[:, :, None]
+    mask = mask == ns.astype(slots, "int32")[None, None, :]
+    mask = mask & (offsets[:, None, :] <= offsets[:, :, None])
+    mask = mask & valid[:, None, :] & valid[:, :, None]
+    mask = mask | (ns.eye(length, beam)[None] & ~valid[:, :, None])
     position_ids = None
     if padding_mask is not None:
         if tuple(padding_mask.shape[:1]) != (b,) or padding_mask.ndim != 2:
             raise ValueError(
                 f"padding_mask must have shape (B, P), got {tuple(padding_mask.shape)}"
             )
-        context = ops.int64(padding_mask).sum(-1)
+        context = ns.astype(padding_mask, "int64").sum(-1)
         position_ids = (context[:, None] + offsets) * valid
     return Packed(tokens, token_indices, mask, offsets, unpack_map, valid, position_ids)
 
@@ -232,9 +180,9 @@ def unpack(x_packed, unpack_map):
     array
         ``(B, M, C, ...)``.
     """
-    ops = _ops(unpack_map)
+    ns = namespace(unpack_map)
     b, m, c = unpack_map.shape
-    batch = ops.arange(b, unpack_map)[:, None]
+    batch = ns.arange(b, unpack_map)[:, None]
     return x_packed[batch, unpack_map.reshape(b, m * c)].reshape(b, m, c, *x_packed.shape[2:])
 
 
@@ -263,31 +211,25 @@ def greedy_accept(beam, packed, logits, context_logits=None):
     bonus : array
         ``(B,)`` int64: the target's next token after the accepted ones.
     """
-    ops = _check_beam(beam)
+    ns = _check_beam(beam)
     b, _, c = beam.shape
-    predicted = unpack(ops.int64(logits.argmax(-1)), packed.unpack_map)  # (B, M, C)
+    predicted = unpack(ns.astype(logits.argmax(-1), "int64"), packed.unpack_map)  # (B, M, C)
     first = beam[:, :, :1] == beam[:, :, :1]
     if context_logits is not None:
-        first = beam[:, :, :1] == ops.int64(context_logits.argmax(-1))[:, None, None]
-    ok = first if c == 1 else _concat(ops, first, beam[:, :, 1:] == predicted[:, :, :-1])
-    lengths = ops.int64(ok).cumprod(-1).sum(-1)  # (B, M)
+        first = beam[:, :, :1] == ns.astype(context_logits.argmax(-1), "int64")[:, None, None]
+    ok = first if c == 1 else ns.concat([first, beam[:, :, 1:] == predicted[:, :, :-1]], -1)
+    lengths = ns.astype(ok, "int64").cumprod(-1).sum(-1)  # (B, M)
     index = lengths.argmax(-1)
-    batch = ops.arange(b, beam)
+    batch = ns.arange(b, beam)
     accepted = lengths[batch, index]
     last = predicted[batch, index, (accepted - 1) * (accepted > 0)]
     if context_logits is not None:
-        fallback = ops.int64(context_logits.argmax(-1))
+        fallback = ns.astype(context_logits.argmax(-1), "int64")
         last = last * (accepted > 0) + fallback * (accepted == 0)
-    return ops.int64(index), ops.int64(accepted), last
+    return ns.astype(index, "int64"), ns.astype(accepted, "int64"), last
 
 
-def _concat(ops, a, b):
-    """Concatenate along the last axis."""
-    if isinstance(ops, _TorchOps):
-        return ops.t.cat([a, b], dim=-1)
-    return ops.xp.concatenate([a, b], axis=-1)
-
-
+@entry_point
 def verify_attention(
     q,
     k_context,
@@ -306,61 +248,83 @@ def verify_attention(
     """Attention of packed draft tokens over a sharded context plus their tree, in one reduction.
 
     Every packed query sees the whole context (sharded across ranks) and, inside the
-    packed block, exactly its ancestors and itself (``tree_mask``). The block's K/V
-    join the context shard of one rank (``owner``) behind the tree mask, so the
-    whole verification is one :func:`mpitree.tree_decode`: one tree reduction per
-    layer. Collective over ``comm``.
+    packed block, exactly its ancestors and itself (``tree_mask``). The block's
+    state is computed on one rank (``owner``) and folded into that rank's context
+    state, so the whole verification is one tree reduction per layer. Collective
+    over ``comm``; every rank validates every argument, and ranks must agree on
+    ``owner``.
 
     Parameters
     ----------
-    q : numpy.ndarray
+    q : array
         ``(B, Hq, L, D)``: queries of the packed tokens, identical on every rank.
-    k_context, v_context : numpy.ndarray
+    k_context, v_context : array
         ``(B, Hkv, T, D)``: this rank's shard of the context's keys and values.
-    k_tree, v_tree : numpy.ndarray
+    k_tree, v_tree : array
         ``(B, Hkv, L, D)``: keys and values of the packed tokens (used on ``owner``).
-    tree_mask : numpy.ndarray
+    tree_mask : array
         ``(B, L, L)`` bool, ``Packed.mask``.
     comm : mpi4py.MPI.Intracomm, optional
         Default: mpitree's private communicator.
     scale, strategy, return_lse
-        As in :func:`mpitree.tree_decode`.
-    kv_len : numpy.ndarray, optional
+        As in :func:`mpitree.tree_decode` (``"ring"`` is not available here).
+    kv_len : array, optional
         int ``(B,)``: valid context keys in this rank's shard (ragged batches).
     owner : int, optional
-        The rank that holds the packed block's K/V; default the last rank.
+        The rank that holds the packed block's K/V, ``0 <= owner < p``; default the
+        last rank.
 
     Returns
     -------
-    out : numpy.ndarray
-        ``(B, Hq, L, D)`` in q's dtype (and lse ``(B, Hq, L)`` float32, natural log).
+    out : array
+        ``(B, Hq, L, D)`` in q's framework and dtype (and lse ``(B, Hq, L)``
+        float32, natural log).
     """
-    from ._plan import tree_decode
-    from ._runtime import default_comm
+    comm = check_comm(comm)
 
-    comm = default_comm() if comm is None else comm
-    owner = comm.Get_size() - 1 if owner is None else owner
-    if comm.Get_rank() != owner:
-        return tree_decode(
-            q,
-            k_context,
-            v_context,
-            comm,
-            scale=scale,
-            kv_len=kv_len,
-            strategy=strategy,
-            return_lse=return_lse,
+    def prepare():
+        size = comm.Get_size()
+        who = size - 1 if owner is None else owner
+        if isinstance(who, (bool, np.bool_)) or not isinstance(who, (int, np.integer)):
+            raise TypeError(f"owner must be an int rank, got {who!r}")
+        if not 0 <= who < size:
+            raise ValueError(f"owner must be a rank in [0, {size}), got {who}")
+        opts = dict(strategy=strategy, scale=scale)
+        problem, opts, context, sig = prepare_attention(
+            q, k_context, v_context, kv_len, None, None, None, opts
         )
-    b, _, length, _ = q.shape
-    t = k_context.shape[2]
-    context = np.ones((b, t), dtype=bool)
-    if kv_len is not None:
-        context = np.arange(t) < np.asarray(kv_len)[:, None]
-    mask = np.concatenate(
-        [np.broadcast_to(context[:, None, :], (b, length, t)), np.asarray(tree_mask, bool)], axis=-1
-    )[:, None]
-    k = np.concatenate([k_context, k_tree], axis=2)
-    v = np.concatenate([v_context, v_tree], axis=2)
-    return tree_decode(
-        q, k, v, comm, scale=scale, mask=mask, strategy=strategy, return_lse=return_lse
-    )
+        if opts.strategy == "ring":
+            raise ValueError("verify_attention cannot run strategy='ring'")
+        ns, tree_problem, length = check_qkv(q, k_tree, v_tree, names=("q", "k_tree", "v_tree"))
+        if tree_problem != problem or length != problem.q_len:
+            raise ValueError(
+                f"k_tree/v_tree must be (B, Hkv, L={problem.q_len}, D) like q's shard, got "
+                f"{tuple(k_tree.shape)}"
+            )
+        shape = (problem.batch, problem.q_len, problem.q_len)
+        if not is_array(tree_mask) or not namespace(tree_mask).is_bool(tree_mask):
+            raise TypeError("tree_mask must be a boolean array (Packed.mask)")
+        if tuple(int(x) for x in tree_mask.shape) != shape:
+            raise ValueError(f"tree_mask must have shape {shape}, got {tuple(tree_mask.shape)}")
+        tree = None
+        if comm.Get_rank() == who:
+            vis = ns.contiguous(ns.asarray(tree_mask, like=q)[:, None])
+            tree = type(context)(ns, q, k_tree, v_tree, opts.scale, None, vis)
+        sig["owner"] = int(who)
+        op = op_needed(opts.strategy, False, problem.acc, problem.head_dim)
+        return Call(sig, (problem, opts, context, tree), op=op)
+
+    call = agree(comm, prepare)
+    problem, opts, context, tree = call.payload
+    chosen = resolve(opts.strategy, comm, call.native)
+    merger = merger_for(comm, problem.rows, problem.head_dim, problem.acc, chosen, like=None)
+
+    def fill(records):
+        context.fill(records)
+        if tree is not None:  # the owner folds the tree's own state into its context state
+            extra = State.empty(problem.row_shape, problem.head_dim, problem.acc).records
+            tree.fill(extra.reshape(records.shape))
+            records[...] = combine_records(records, extra.reshape(records.shape))
+
+    records = merger.merge(fill)
+    return finish(records.reshape(*problem.row_shape, -1), q, return_lse)

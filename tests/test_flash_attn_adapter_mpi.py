@@ -9,12 +9,12 @@ semantics; the real kernel is tested by ``test_real_flash_attn_on_cuda``.
 import importlib
 import os
 import sys
-import types
 
 import numpy as np
 import pytest
 from helpers import make_problem, world
 from numpy.testing import assert_allclose
+from standins import fake_flash_attn
 
 if os.environ.get("MPITREE_REQUIRE_TORCH"):
     import torch
@@ -22,35 +22,10 @@ else:
     torch = pytest.importorskip("torch")
 
 
-def stand_in_flash_attn_with_kvcache(
-    q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None, **kw
-):
-    """flash-attn's documented semantics in torch (float32), without causal alignment."""
-    assert kw.pop("return_softmax_lse") and not kw.pop("causal") and not kw
-    b, _, hq, d = q.shape
-    k, v = k_cache, v_cache
-    if block_table is not None:  # pages (num_blocks, page, Hkv, D) -> (B, pages * page, Hkv, D)
-        k, v = (x[block_table.long()].reshape(b, -1, *x.shape[2:]) for x in (k, v))
-    t, g = k.shape[1], hq // k.shape[2]
-    lens = torch.full((b,), t) if cache_seqlens is None else torch.as_tensor(cache_seqlens)
-    qh = q.float().transpose(1, 2)  # (B, Hq, Sq, D)
-    kh, vh = (x.float().transpose(1, 2).repeat_interleave(g, 1) for x in (k, v))
-    s = qh @ kh.transpose(-1, -2) * (softmax_scale or d**-0.5)
-    s = s.masked_fill(torch.arange(t)[None, None, None, :] >= lens[:, None, None, None], -torch.inf)
-    m = s.amax(-1, keepdim=True).nan_to_num(neginf=0.0) if t else s.sum(-1, keepdim=True)
-    p = torch.exp(s - m)
-    total = p.sum(-1, keepdim=True)
-    out = torch.where(total > 0, (p @ vh) / total.clamp_min(1e-30), 0.0)
-    lse = torch.where(total[..., 0] > 0, m[..., 0] + torch.log(total[..., 0]), torch.inf)
-    return out.transpose(1, 2).to(q.dtype), lse
-
-
 @pytest.fixture
 def adapter(monkeypatch):
     """The adapter imported over the stand-in flash_attn module."""
-    fake = types.ModuleType("flash_attn")
-    fake.flash_attn_with_kvcache = stand_in_flash_attn_with_kvcache
-    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn())
     monkeypatch.delitem(sys.modules, "mpitree.adapters.flash_attn", raising=False)
     yield importlib.import_module("mpitree.adapters.flash_attn")
     sys.modules.pop("mpitree.adapters.flash_attn", None)

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from numpy.testing import assert_allclose
 
 from mpitree._kernel import attend_native, native_kernel_available
-from mpitree._local import _attend_numpy
+from mpitree._local import state_records
+from mpitree._namespace import namespace
 
 pytestmark = pytest.mark.skipif(not native_kernel_available(), reason="native kernel not built")
 
@@ -17,7 +18,7 @@ def both(q, k, v, scale, lens, vis):
     native = np.full((b, hq, sq, dim + 2), np.nan, np.float32)
     ref = np.full_like(native, np.nan)
     assert attend_native(q, k, v, scale, lens, vis, native)
-    _attend_numpy(q, k, v, scale, lens, vis, ref)
+    ref[...] = state_records(namespace(q), q, k, v, scale, lens, vis, "float32")
     return native, ref
 
 

@@ -67,8 +67,8 @@ KV = np.zeros((2, 2, 5, 8), np.float32)
     [
         ((Q[0], KV, KV), {}, ValueError, "q must have 4 dimensions"),
         ((Q, KV[..., ::2], KV[..., ::2]), {}, ValueError, "contiguous in its last dimension"),
-        ((Q.tolist(), KV, KV), {}, TypeError, "numpy.ndarray"),
-        ((Q.astype(np.int32), KV, KV), {}, TypeError, "float16, float32 or float64"),
+        ((Q.tolist(), KV, KV), {}, TypeError, "numpy, torch, CuPy or JAX array"),
+        ((Q.astype(np.int32), KV, KV), {}, TypeError, "float16, bfloat16, float32, float64"),
         ((Q, KV.astype(np.float64), KV), {}, TypeError, "dtypes differ"),
         ((Q, KV, KV[:, :, :3]), {}, ValueError, "k and v shapes differ"),
         ((Q, KV[:1], KV[:1]), {}, ValueError, "batch or D"),

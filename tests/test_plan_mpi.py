@@ -40,7 +40,7 @@ def test_decode_loop_with_growing_cache(strategy):
 def test_plan_shapes_and_repr():
     plan = mpitree.DecodePlan(1, 8, 2, 32, q_len=3, dtype=np.float16)
     try:
-        assert plan.shapes.rows == 24 and plan.shapes.acc_dtype == np.float32
+        assert plan.problem.rows == 24 and plan.problem.acc == "float32"
         assert "DecodePlan" in repr(plan)
         assert plan.strategy == "allreduce"  # the native op is built (test_native_op_is_built)
     finally:
@@ -62,6 +62,6 @@ def test_allreduce_state(strategy, dtype):
     assert_allclose(
         merged.output(), prob.reference()[0], atol=2e-5 if dtype == np.float32 else 1e-12, rtol=0
     )
-    again = mpitree.allreduce_state(local, strategy=strategy, check=False)
+    again = mpitree.allreduce_state(local, strategy=strategy)  # the cached merger, reused
     assert np.array_equal(again.records, merged.records)
     assert gathered_identical(comm, merged.records)

@@ -7,7 +7,7 @@ from mpi4py import MPI
 from numpy.testing import assert_allclose
 
 import mpitree
-from mpitree._records import merge_records
+from mpitree._state import merge_records
 
 NPROCS = [1, 2, 3, 4]
 
@@ -50,7 +50,7 @@ def test_auto_choice_on_virtual_nodes():
     ],
 )
 def test_auto_rule(args, expect):
-    from mpitree._reduce import auto_strategy
+    from mpitree._strategies import auto_strategy
 
     assert auto_strategy(*args) == expect
 

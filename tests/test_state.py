@@ -10,7 +10,7 @@ from numpy.testing import assert_allclose
 
 import mpitree
 from mpitree import State, combine, local_state, reference_attention
-from mpitree._op import _native_lib
+from mpitree._library import native_lib
 
 
 def random_state(rng, shape, dim, dtype=np.float32, empty_frac=0.2, big=False):
@@ -102,7 +102,7 @@ def test_from_lse_validates():
 
 
 def native_combine(a, b):
-    lib = _native_lib()
+    lib = native_lib()
     io = np.array(b.records, copy=True, order="C")
     src = np.ascontiguousarray(a.records)
     lib.mpitree_combine(
@@ -130,6 +130,6 @@ def test_native_combine_matches_numpy(seed, dim, dtype, big):
 
 def test_native_op_is_built():
     """The package build must produce the native op (CI installs with a compiler)."""
-    from mpitree._op import native_load_error
+    from mpitree._library import load_error
 
-    assert mpitree.native_op_available(), native_load_error()
+    assert mpitree.native_op_available(), load_error()

@@ -1,19 +1,15 @@
 """The "mpitree" attention and mask functions registered with transformers."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import torch
 from transformers.masking_utils import and_masks, padding_mask_function, prepare_padding_mask
 
-from mpitree._plan import checked_call
-from mpitree._validate import Shapes, resolve_scale
+from mpitree import extend
 
-from .. import torch as mt
 from ._prefill import sharded_attention
-
-# Score elements per block of query rows when the local attention is chunked, so
-# a long prompt never materialises its whole (queries x keys) score matrix.
-_BLOCK_SCORES = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -88,31 +84,102 @@ def _visible(mask, view, batch):
     return ~blocked
 
 
-def local_records(q, k, v, scale, keep):
-    """Local ``(B, Hq, Sq, D + 2)`` records, in blocks of query rows.
+@dataclass(frozen=True)
+class Agreed:
+    """What every rank agreed on in a model step's first attention call."""
 
-    Each block only reads the keys up to the last one any of its rows can see, so
-    causal prompts cost about half of the full product.
-    """
-    b, hq, sq, _ = q.shape
-    t = k.shape[2]
-    step = max(1, _BLOCK_SCORES // max(1, b * hq * t))
-    parts = []
-    for i in range(0, max(sq, 1), step):
-        rows = keep[..., i : i + step, :] if keep is not None and keep.shape[-2] > 1 else keep
-        stop = t
-        if rows is not None and t:
-            seen = rows.reshape(-1, t).any(0).nonzero()
-            stop = int(seen[-1, 0]) + 1 if seen.numel() else 0
-            rows = rows[..., :stop]
-        parts.append(
-            mt._records(
-                q[:, :, i : i + step], k[:, :, :stop], v[:, :, :stop], scale, None, None, None, rows
+    signature: dict
+    scale: float
+    merger: object  # the shared merger for the step's decode layers (None under prefill)
+
+
+def _signature(query, key, scaling, sharding, sharded):
+    """Return the per-layer facts every rank must share within a step."""
+    b, hq, sq, d = (int(s) for s in query.shape)
+    return {
+        "batch": b,
+        "q_heads": hq,
+        "q_len": 0 if sharded else sq,  # prefill: each rank holds its own chunk
+        "kv_heads": int(key.shape[1]),
+        "head_dim": d,
+        "dtype": extend.dtype_name(query.dtype),
+        "scaling": None if scaling is None else float(scaling),
+        "strategy": sharding.strategy,
+        "deterministic": sharding.deterministic,
+        "sharded prefill": sharded,
+    }
+
+
+class LayerStep:
+    """One layer's local work, run inside the merge's guard: checks, mask, attention."""
+
+    def __init__(self, view, query, key, value, mask, agreed, signature):
+        self.view, self.query, self.key, self.value, self.mask = view, query, key, value, mask
+        self.agreed, self.signature, self.att = agreed, signature, None
+        self.q_len = int(query.shape[2])
+
+    def prepare(self):
+        """Check this layer against the step's agreement; build its :class:`Attention`."""
+        if self.view.error is not None:
+            raise self.view.error
+        if self.signature != self.agreed.signature:
+            raise ValueError(
+                f"this layer's attention {self.signature} differs from the step's first layer "
+                f"{self.agreed.signature}"
             )
+        ns = extend.namespace(self.query)
+        keep = _visible(self.mask, self.view, int(self.query.shape[0]))
+        if keep is not None and bool(keep.all()):
+            keep = None
+        self.att = extend.Attention(
+            ns, self.query, self.key, self.value, self.agreed.scale, None, keep
         )
-    return torch.cat(parts, 2) if len(parts) > 1 else parts[0]
+        return self.att
+
+    def fill(self, records):
+        """Write this shard's state of the layer's queries into host records."""
+        self.prepare().fill(records)
+
+    def block(self):
+        """Return the shard for the ring baseline."""
+        return self.att.block()
+
+    def attend_block(self, *args):
+        """Another rank's block, for the ring baseline."""
+        self.att.attend_block(*args)
 
 
+def _agree_step(sharding, view, query, key, value, mask, scaling, signature):
+    """Run the step's one agreement (first attention call): checks, signature, merger."""
+
+    def prepare():
+        if view.error is not None:
+            raise view.error
+        ns, problem, _ = extend.check_qkv(query, key, value, names=("query", "key", "value"))
+        if ns.name != "torch":
+            raise TypeError("attn_implementation='mpitree' runs on torch tensors")
+        _visible(mask, view, problem.batch)
+        opts = extend.Options.resolve(
+            problem.head_dim, sharding.strategy, scaling, sharding.deterministic
+        )
+        width = problem.head_dim + 2
+        op = extend.op_needed(opts.strategy, opts.deterministic, problem.acc, problem.head_dim)
+        return extend.Call(
+            signature, (problem, opts), op=(problem.acc, width) if view.sharded else op
+        )
+
+    call = extend.agree(sharding.comm, prepare)
+    problem, opts = call.payload
+    merger = None
+    if not view.sharded:
+        chosen = extend.resolve(opts.strategy, sharding.comm, call.native, 0, opts.deterministic)
+        merger = extend.merger_for(
+            sharding.comm, problem.rows, problem.head_dim, problem.acc, chosen, like=query
+        )
+    return Agreed(signature, opts.scale, merger)
+
+
+@extend.entry_point
 def attention_interface(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
     """Attend over every rank's shard (transformers' ``AttentionInterface`` entry).
 
@@ -141,6 +208,12 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
     out : torch.Tensor
         ``(B, Sq, Hq, D)`` in query's dtype: exact attention over every rank's keys.
     weights : None
+
+    Notes
+    -----
+    A model step (one forward pass) costs one agreement collective, in its first
+    attention call, and one merge per layer. Every later layer's checks run
+    inside its merge, so a rank that diverges mid-step raises on every rank.
     """
     view = getattr(key, "mpitree_view", None)
     if view is None:
@@ -149,69 +222,26 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
             "(from mpitree.adapters.transformers) and use_cache=True"
         )
     if dropout:
-        raise ValueError("attn_implementation='mpitree' is for inference: dropout must be 0")
+        view.error = view.error or ValueError(
+            "attn_implementation='mpitree' is for inference: dropout must be 0"
+        )
     if kw.get("softcap") is not None:
-        raise ValueError("attn_implementation='mpitree' does not support softcap")
+        view.error = view.error or ValueError("attn_implementation='mpitree' has no softcap")
     if kw.get("sliding_window") is not None and attention_mask is None:
         # a window is honoured through the mask, which transformers builds with it
-        raise ValueError("attn_implementation='mpitree' needs a mask for sliding_window")
+        view.error = view.error or ValueError(
+            "attn_implementation='mpitree' needs a mask for sliding_window"
+        )
     sharding = view.layer.sharding
-    keep = None
-
-    def inspect():
-        nonlocal keep
-        shapes = Shapes(*mt._check(query, key, value, None, None, None, None), query.dtype)
-        keep = _visible(attention_mask, view, shapes.batch)
-        if keep is not None and bool(keep.all()):
-            keep = None
-        if view.sharded:  # ranks hold different chunks of queries: agree on the total
-            shapes = Shapes(
-                shapes.batch, shapes.q_heads, shapes.kv_heads, 0, shapes.head_dim, shapes.dtype
-            )
-        return shapes
-
-    # One agreement per model step: the first layer's. Later layers with the same
-    # signature reuse it, so a decode step pays local attention and one merge per
-    # layer, plus one small collective per step.
-    signature = (
-        tuple(query.shape),
-        tuple(key.shape[:2]),
-        query.dtype,
-        scaling,
-        sharding.strategy,
-        view.sharded,
-    )
-    if signature == sharding.agreed:
-        inspect()
-        comm, scale = sharding.comm, resolve_scale(scaling, query.shape[-1])
-    else:
-        comm, _, scale, _ = checked_call(
-            sharding.comm,
-            query,
-            key,
-            value,
-            scale=scaling,
-            kv_len=None,
-            q_pos=None,
-            k_pos=None,
-            mask=None,
-            strategy=sharding.strategy,
-            deterministic=sharding.deterministic,
-            inspect=inspect,
+    signature = _signature(query, key, scaling, sharding, view.sharded)
+    if sharding.agreed is None:  # the step's first attention call: every rank is here
+        sharding.agreed = _agree_step(
+            sharding, view, query, key, value, attention_mask, scaling, signature
         )
-        sharding.agreed = signature
+    step = LayerStep(view, query, key, value, attention_mask, sharding.agreed, signature)
     if view.sharded:
-        out = sharded_attention(query, key, value, scale, keep, view, local_records)
-    elif sharding.strategy == "ring":
-        out = mt._decode_checked(
-            query, key, value, comm, scale, None, None, None, keep, "ring", False, False
-        )
+        out = sharded_attention(query, step)
     else:
-        records = mt._merge(
-            local_records(query, key, value, scale, keep),
-            comm,
-            sharding.strategy,
-            sharding.deterministic,
-        )
-        out = mt._finish(records, query, False)
+        records = sharding.agreed.merger.merge(step)
+        out = extend.finish(records.reshape(*query.shape[:3], -1), query)
     return out.transpose(1, 2).contiguous(), None

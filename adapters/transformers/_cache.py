@@ -1,5 +1,7 @@
 """ShardedCache: a transformers ``Cache`` whose layers keep one rank's shard of K/V."""
 
+from __future__ import annotations
+
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -7,8 +9,7 @@ import torch
 from mpi4py import MPI
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from mpitree import STRATEGIES, default_comm
-from mpitree._validate import check_comm
+from mpitree import extend
 
 PLACEMENTS = ("interleave", "last")
 
@@ -26,8 +27,8 @@ class Sharding:
     size: int = field(init=False)
     # the :class:`~._prefill.Prefill` step while :func:`prefill` runs this rank's chunk
     pending: object = None
-    # the attention signature all ranks agreed on in this model step (None: not yet)
-    agreed: tuple | None = None
+    # what all ranks agreed on in this model step's first attention (None: not yet)
+    agreed: object = None
 
     def __post_init__(self):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
@@ -51,9 +52,10 @@ class Sharding:
 class View:
     """What the attention function needs about one layer's step: attached to its keys."""
 
-    layer: "ShardedLayer"
+    layer: ShardedLayer
     queries: torch.Tensor  # (Sq,) int64 global indices of the queries this rank attends for
     sharded: bool  # True under :func:`prefill`: queries are every rank's chunk, rank-major
+    error: Exception | None = None  # the cache update failed on this rank: raised in the guard
 
 
 class ShardedLayer(CacheLayerMixin):
@@ -78,9 +80,30 @@ class ShardedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Store the new tokens this rank owns; return the shard with its :class:`View`."""
+        """Store the new tokens this rank owns; return the shard with its :class:`View`.
+
+        Never raises: a failure (a batch size that changed, a bad prefill step) is
+        attached to the returned keys and raised by the attention function inside
+        mpitree's guard, so that every rank raises it, not only the ranks that
+        own the new tokens.
+        """
+        try:
+            return self._update(key_states, value_states)
+        except Exception as exc:
+            keys = key_states[:, :, :0]
+            keys.mpitree_view = View(self, torch.empty(0, dtype=torch.long), False, exc)
+            return keys, value_states[:, :, :0]
+
+    def _update(self, key_states, value_states):
+        """:meth:`update`, raising on failure."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self.keys.shape[0] or key_states.shape[1] != self.keys.shape[1]:
+            raise ValueError(
+                f"ShardedCache: the batch or kv heads changed from {tuple(self.keys.shape[:2])} "
+                f"to {tuple(key_states.shape[:2])}; call cache.reset() or use a new cache "
+                "(beam search, num_beams > 1, is not supported)"
+            )
         new = key_states.shape[-2]
         step = self.sharding.pending
         if step is not None:  # sharded prefill: every incoming token is this rank's
@@ -175,6 +198,7 @@ class ShardedCache(Cache):
         others' (one small collective at construction).
     """
 
+    @extend.entry_point
     def __init__(
         self,
         config=None,
@@ -186,26 +210,26 @@ class ShardedCache(Cache):
         deterministic=False,
         world_size=None,
     ):
-        comm = default_comm() if comm is None else comm
-        check_comm(comm)
-        error = None
-        try:
+        comm = extend.check_comm(comm)
+
+        def prepare():
             if placement not in PLACEMENTS:
                 raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-            if not isinstance(block_size, int) or block_size < 1:
+            if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
                 raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-            if strategy not in STRATEGIES:
-                raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
             if world_size is not None and world_size != comm.Get_size():
                 raise ValueError(
                     f"this ShardedCache was made for world_size={world_size}, but the "
                     f"communicator has {comm.Get_size()} ranks"
                 )
-        except ValueError as exc:
-            error = exc
-        _agree(comm, error, (placement, block_size, strategy, bool(deterministic)))
+            opts = extend.Options.resolve(1, strategy, deterministic=deterministic)
+            sig = {"placement": placement, "block_size": block_size}
+            sig.update(strategy=opts.strategy, deterministic=opts.deterministic)
+            return extend.Call(sig, opts)
+
+        opts = extend.agree(comm, prepare).payload
         layers = int(getattr(config, "num_hidden_layers", 0) or 0) if config is not None else 0
-        self.sharding = Sharding(comm, placement, block_size, strategy, bool(deterministic))
+        self.sharding = Sharding(comm, placement, block_size, opts.strategy, opts.deterministic)
         super().__init__(layers=[ShardedLayer(self.sharding) for _ in range(layers)])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -228,9 +252,7 @@ class ShardedCache(Cache):
 
     @strategy.setter
     def strategy(self, value):
-        if value not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {value!r}")
-        self.sharding.strategy = value
+        self.sharding.strategy = extend.Options.resolve(1, value).strategy
 
     def local_length(self, layer_idx=0):
         """Return how many tokens this rank stores for ``layer_idx``."""
@@ -246,19 +268,3 @@ class ShardedCache(Cache):
             yield
         finally:
             self.sharding.pending = None
-
-
-def _agree(comm, error, settings):
-    """Raise on every rank if any rank failed or the ranks' cache settings differ."""
-    mine = repr(error) if error is not None else None
-    gathered = comm.allgather((mine, settings))
-    for rank, (err, _) in enumerate(gathered):
-        if err is not None:
-            if error is not None:
-                raise error
-            raise ValueError(f"ShardedCache: invalid arguments on rank {rank}: {err}")
-    if any(s != settings for _, s in gathered):
-        raise ValueError(
-            "ShardedCache: ranks disagree on (placement, block_size, strategy, deterministic): "
-            + ", ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(gathered))
-        )

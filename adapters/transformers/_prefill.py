@@ -1,13 +1,15 @@
 """Sharded prefill: each rank runs only its own prompt tokens through the model."""
 
+from __future__ import annotations
+
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from mpitree._op import record_op
-
-from .. import torch as mt
+from mpitree import extend
+from mpitree._strategies.scatter import allgather_rows, reduce_scatter_records
 
 
 @dataclass(frozen=True)
@@ -28,34 +30,52 @@ def plan(sharding, total):
     return Prefill(order[owners[order] == sharding.rank], total, order, counts)
 
 
-def sharded_attention(query, key, value, scale, keep, view, local_records):
+def sharded_attention(query, step):
     """Causal attention for every rank's chunk of queries over every rank's keys.
 
     Queries are all-gathered (``Allgatherv``); each rank computes the partial
     states of all of them over its own keys; one ``Reduce_scatter`` with the
-    native (m, d, n) op hands each rank the merged states of its own queries.
+    native (m, d, n) op hands each rank the merged states of its own queries. A
+    rank whose layer does not match the step's agreement sends zeros and reports
+    its failure in the reduce-scatter, so every rank raises.
     """
-    step = view.layer.sharding.pending
-    comm = view.layer.sharding.comm
-    b, hq, sq, d = query.shape
-    own = step.counts[view.layer.sharding.rank]  # sq, or 0 under a stand-in token
-    acc = mt._acc(query.dtype)
-    np_acc = np.float64 if acc == torch.float64 else np.float32
-    mine = query[:, :, :own].permute(2, 0, 1, 3).to(device="cpu", dtype=acc).contiguous()
-    every = torch.empty((step.total, b, hq, d), dtype=acc)
-    row = b * hq * d
-    comm.Allgatherv(mine.numpy(), [every.numpy(), [c * row for c in step.counts]])
-    q_all = every.permute(1, 2, 0, 3).to(query.device)
-    rec = local_records(q_all, key, value, scale, keep)
-    send = rec.permute(2, 0, 1, 3).to("cpu").contiguous().numpy()
-    recv = np.empty((own, b, hq, d + 2), dtype=np_acc)
-    dtype, op = record_op(np_acc, d)
-    comm.Reduce_scatter([send, dtype], [recv, dtype], [c * b * hq for c in step.counts], op)
-    merged = torch.from_numpy(recv).permute(1, 2, 0, 3).to(query.device)
-    out = mt._finish(merged, query, False)
+    sharding = step.view.layer.sharding
+    prefill_step, comm = sharding.pending, sharding.comm
+    b, hq, sq, d = (int(s) for s in query.shape)
+    agreed = step.agreed.signature
+    own = prefill_step.counts[sharding.rank]  # sq, or 0 under a stand-in token
+    acc = extend.acc_name(query.dtype)
+    shape_ok = (b, hq, d) == (agreed["batch"], agreed["q_heads"], agreed["head_dim"])
+    mine = np.zeros((own, agreed["batch"], agreed["q_heads"], agreed["head_dim"]), dtype=acc)
+    if shape_ok and own <= sq:
+        mine[...] = extend.namespace(query).to_numpy(query[:, :, :own].permute(2, 0, 1, 3))
+    every = allgather_rows(comm, mine, prefill_step.counts, b * hq * d)
+    rows = every.shape[0] * b * hq
+    records = np.empty((rows, d + 2), dtype=acc)
+
+    def fill(out):
+        if not shape_ok or own > sq:
+            raise ValueError(f"prefill: this layer's query {tuple(query.shape)} does not match")
+        q_all = torch.from_numpy(every).permute(1, 2, 0, 3).to(query.device, query.dtype)
+        att = step.prepare()
+        att.q = q_all
+        state = np.empty((b, hq, every.shape[0], d + 2), dtype=acc)
+        att.fill(state)
+        out[...] = state.transpose(2, 0, 1, 3).reshape(rows, d + 2)
+
+    merged = reduce_scatter_records(comm, records, prefill_step.counts, b * hq, fill)
+    merged = merged.reshape(own, b, hq, d + 2).transpose(1, 2, 0, 3)
+    out = extend.finish(np.ascontiguousarray(merged), query)
     return torch.cat([out, out.new_zeros(b, hq, sq - own, d)], 2) if own < sq else out
 
 
+def _digest(x):
+    """Shape and CRC-32 of a tensor's values: ranks must pass the same prompt."""
+    host = np.ascontiguousarray(x.detach().cpu().numpy())
+    return (tuple(host.shape), str(host.dtype), zlib.crc32(host.view(np.uint8)))
+
+
+@extend.entry_point
 def prefill(model, input_ids, cache, attention_mask=None):
     """Prefill ``cache`` with all but the last prompt token, sharded over the ranks.
 
@@ -79,28 +99,34 @@ def prefill(model, input_ids, cache, attention_mask=None):
 
     Raises
     ------
-    ValueError
-        When the cache is not empty or the shapes do not match (on every rank, as
-        every rank sees the same arguments).
+    ValueError, TypeError
+        On every rank, when any rank's arguments are invalid (the cache not empty,
+        shapes that do not match) or ranks pass different prompts.
     """
     from ._cache import ShardedCache
 
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl != "mpitree":
-        raise ValueError(
-            f"prefill needs a model set to attn_implementation='mpitree', not {impl!r}"
-        )
-    if not isinstance(cache, ShardedCache):
-        raise TypeError(f"cache must be a ShardedCache, got {type(cache).__name__}")
-    if cache.get_seq_length():
-        raise ValueError("prefill needs an empty ShardedCache")
-    if input_ids.ndim != 2:
-        raise ValueError(f"input_ids must be (B, N), got shape {tuple(input_ids.shape)}")
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
-            f"{tuple(input_ids.shape)}"
-        )
+    def prepare():
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if impl != "mpitree":
+            raise ValueError(
+                f"prefill needs a model set to attn_implementation='mpitree', not {impl!r}"
+            )
+        if not isinstance(cache, ShardedCache):
+            raise TypeError(f"cache must be a ShardedCache, got {type(cache).__name__}")
+        if cache.get_seq_length():
+            raise ValueError("prefill needs an empty ShardedCache")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be a (B, N) tensor, got {input_ids!r:.60}")
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                f"{tuple(input_ids.shape)}"
+            )
+        sig = {"input_ids": _digest(input_ids)}
+        sig["attention_mask"] = None if attention_mask is None else _digest(attention_mask)
+        return extend.Call(sig)
+
+    extend.agree(extend.check_comm(getattr(cache, "comm", None)), prepare)
     total = input_ids.shape[1] - 1
     if total < 1:
         return

@@ -2,9 +2,12 @@
 
 import torch
 
+from mpitree import extend
+
 from ._cache import ShardedCache
 
 
+@extend.entry_point
 def verify(model, cache, packed, attention_mask=None):
     """Score a packed draft tree in one forward pass over a :class:`ShardedCache`.
 
@@ -30,15 +33,28 @@ def verify(model, cache, packed, attention_mask=None):
         ``(B, L, V)`` logits of every tree node; :func:`mpitree.spec.unpack` maps
         them back to the beam's ``(B, M, C, V)``.
     """
-    if not isinstance(cache, ShardedCache):
-        raise TypeError(f"cache must be a ShardedCache, got {type(cache).__name__}")
+
+    def prepare():
+        if not isinstance(cache, ShardedCache):
+            raise TypeError(f"cache must be a ShardedCache, got {type(cache).__name__}")
+        tokens = getattr(packed, "tokens", None)
+        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
+            raise TypeError("packed must be mpitree.spec.pack(...) of torch tensors")
+        b, length = (int(s) for s in tokens.shape)
+        context = cache.get_seq_length()
+        if attention_mask is not None and tuple(attention_mask.shape) != (b, context):
+            raise ValueError(
+                f"attention_mask must have shape ({b}, {context}), "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        if tuple(packed.mask.shape) != (b, length, length):
+            raise ValueError(f"packed.mask must be ({b}, {length}, {length})")
+        return extend.Call({"tree": (b, length), "context": context})
+
+    extend.agree(extend.check_comm(getattr(cache, "comm", None)), prepare)
     tokens = packed.tokens
     b = tokens.shape[0]
     context = cache.get_seq_length()
-    if attention_mask is not None and tuple(attention_mask.shape) != (b, context):
-        raise ValueError(
-            f"attention_mask must have shape ({b}, {context}), got {tuple(attention_mask.shape)}"
-        )
     seen = torch.ones(b, context, dtype=torch.bool, device=tokens.device)
     if attention_mask is not None:
         seen = attention_mask.to(device=tokens.device, dtype=torch.bool)

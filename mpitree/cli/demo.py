@@ -5,11 +5,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ._local import local_state
-from ._op import native_op_available
-from ._plan import DecodePlan
-from ._reference import reference_attention
-from ._runtime import default_comm
+from .._local import local_state
+from .._op import native_op_available
+from .._plan import DecodePlan
+from .._reference import reference_attention
+from .._runtime import default_comm
 
 STRATEGY_ORDER = ("allreduce", "allreduce3", "allgather", "hierarchical", "ring")
 

@@ -2,7 +2,7 @@
 
 import json
 
-from . import model
+from .. import model
 
 
 def add_arguments(parser):

@@ -5,9 +5,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ._op import _python_op, native_op_available, record_op
-from ._reduce import Reducer
-from ._runtime import default_comm
+from .._merger import Merger
+from .._op import native_op_available, python_op, record_op
+from .._runtime import default_comm
 
 
 def add_arguments(parser):
@@ -33,14 +33,14 @@ def run(args):
     data[-1, 0] = -np.inf  # the error-flag row every mpitree merge carries
 
     def reducer(strategy, persistent=False):
-        red = Reducer(
-            comm, rows, dim, np.float32, strategy, persistent=persistent, node_size=args.node_size
+        merger = Merger(
+            comm, rows, dim, "float32", strategy, persistent=persistent, node_size=args.node_size
         )
-        return red.buf, red.run
+        return merger.buf, lambda: merger.merge(lambda records: None)
 
     plain, pybuf = data.copy(), data.copy()
     rec, _ = record_op(np.float32, dim)
-    pyop = _python_op(np.float32, dim)
+    pyop = python_op(np.float32, dim + 2)
     methods = {  # name -> (buffer restored before each merge, merge)
         "MPI.SUM allreduce (same bytes)": (
             plain,

@@ -9,13 +9,14 @@ import tracemalloc
 import numpy as np
 from mpi4py import MPI
 
-from . import __version__
-from ._kernel import native_kernel_available, read_seconds
-from ._local import _attend_numpy, local_state
-from ._op import native_op_available
-from ._plan import DecodePlan
-from ._runtime import default_comm, limit_blas_threads, ranks_on_node
-from ._traffic import traffic
+from .. import __version__
+from .._kernel import native_kernel_available, read_seconds
+from .._local import local_state, state_records
+from .._namespace import namespace
+from .._op import native_op_available
+from .._plan import DecodePlan
+from .._runtime import default_comm, limit_blas_threads, ranks_on_node
+from .._traffic import traffic
 
 WORKLOADS = {
     # Llama-3.1-8B attention layer: 32 query heads, 8 KV heads, D = 128
@@ -125,7 +126,6 @@ def measure(comm, args, workload, tokens):
         s: DecodePlan(args.batch, hq, hkv, dim, comm=comm, strategy=s, node_size=args.node_size)
         for s in STRATEGIES
     }
-    scratch = np.empty((args.batch, hq, 1, dim + 2), dtype=np.float32)
 
     outputs, sent, extra = {}, {}, {}
     for s, plan in plans.items():
@@ -139,10 +139,11 @@ def measure(comm, args, workload, tokens):
         sent[s] = traffic.bytes
     diff = {s: float(np.abs(o - outputs["allreduce"]).max()) for s, o in outputs.items()}
 
+    numpy = namespace(q)
     methods = {
         "read K+V": lambda: (read_seconds(k), read_seconds(v)),
         "local (C kernel)": lambda: local_state(q, k, v),
-        "local (numpy)": lambda: _attend_numpy(q, k, v, dim**-0.5, None, None, scratch),
+        "local (numpy)": lambda: state_records(numpy, q, k, v, dim**-0.5, None, None, "float32"),
         **{s: (lambda plan=plan: plan.decode(q, k, v)) for s, plan in plans.items()},
     }
     names = list(methods)

@@ -1,0 +1,232 @@
+"""The one guarded path from a public entry point into MPI.
+
+Every public function that communicates is decorated with :func:`entry_point`
+and reaches MPI in two kinds of step, both here or behind :class:`~._merger.Merger`:
+
+1. :func:`agree`, the one agreement collective. It runs all of the call's local
+   checks and preparation (``prepare()``: validation, option resolution, the
+   native op) inside a ``try``, then one ``MPI_Allreduce(MIN)`` of a fixed-size
+   int64 vector carries this rank's verdict, the call's signature and the facts
+   the ranks must share (the native op). Nothing that can fail on some ranks
+   only runs between it and the data collective.
+2. A data collective that carries a failure flag (a flag record in the merge
+   buffer, :func:`flagged_allreduce` for plain arrays): the local work of the
+   step (attention over the shard) runs inside a ``try`` before it, and a
+   failure on any rank reaches every rank in the same collective.
+
+When any rank failed, every rank calls :func:`raise_failure`: one more small
+collective, on the failure path only, hands every rank the lowest failing
+rank's reason. The failing rank raises its own exception; the others raise
+:class:`RankError`. Nothing hangs, and MPI never aborts inside a reduction.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+from ._runtime import default_comm
+
+MAX_FIELDS = 24
+ENTRY_POINTS: dict = {}  # "module.qualname" -> the public function or method
+_entry = contextvars.ContextVar("mpitree_entry", default=None)
+
+
+class RankError(ValueError):
+    """Raised on the ranks whose own input was fine when another rank's input was not.
+
+    Attributes
+    ----------
+    rank : int
+        The lowest rank whose local checks or local work failed.
+    reason : str
+        That rank's exception, as ``"TypeName: message"``.
+    """
+
+    def __init__(self, rank, reason):
+        self.rank, self.reason = rank, reason
+        super().__init__(f"mpitree: invalid input on rank {rank}: {reason}")
+
+
+def entry_point(fn):
+    """Mark ``fn`` as a public entry point that communicates; register it for the catalogue."""
+    name = f"{fn.__module__}.{fn.__qualname__}"
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        token = _entry.set(_entry.get() or name)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _entry.reset(token)
+
+    ENTRY_POINTS[name] = wrapper
+    return wrapper
+
+
+def current_entry():
+    """Return the outermost entry point running in this context; raise if there is none."""
+    name = _entry.get()
+    if name is None:
+        raise RuntimeError("mpitree internal error: a collective outside an @entry_point")
+    return name
+
+
+def check_comm(comm):
+    """Return ``comm`` (default: mpitree's private one) if it is a usable intracommunicator.
+
+    This is the one check that cannot be agreed on, since agreeing needs the
+    communicator: every rank must pass a valid one (a wrong one raises
+    ``TypeError`` locally, on the ranks that passed it).
+    """
+    comm = default_comm() if comm is None else comm
+    if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+        raise TypeError(f"comm must be an mpi4py intracommunicator, got {comm!r}")
+    return comm
+
+
+def _describe(error):
+    """One line naming an exception."""
+    return f"{type(error).__name__}: {error}"
+
+
+def raise_failure(comm, error):
+    """Raise on every rank after a collective reported a failure (failure path only).
+
+    Collective: every rank learns from the preceding collective that some rank
+    failed, so every rank calls this. The failing ranks re-raise their own
+    exception; the others raise :class:`RankError` naming the lowest failing rank.
+    """
+    mine = None if error is None else _describe(error)
+    reasons = comm.allgather(mine) if comm.Get_size() > 1 else [mine]
+    if error is not None:
+        raise error
+    failed = [r for r, reason in enumerate(reasons) if reason is not None]
+    if not failed:
+        raise RuntimeError("mpitree internal error: a failure was flagged but no rank failed")
+    raise RankError(failed[0], reasons[failed[0]])
+
+
+def _code(value):
+    """Return a process-independent 56-bit code of a signature value (type included)."""
+    data = repr((type(value).__name__, value)).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+
+
+@dataclass
+class Call:
+    """What ``prepare()`` hands to :func:`agree`.
+
+    Attributes
+    ----------
+    signature : dict
+        Field name -> value (int, float, str, bool, None or tuples of them) that
+        every rank must agree on.
+    payload : object
+        Anything the entry point needs afterwards (validated arrays, options).
+    op : tuple or None
+        ``(accumulation dtype name, record width)`` of the native MPI op the call
+        will need; it is created inside the guarded local phase.
+    native : bool
+        After :func:`agree`: whether every rank has the compiled op (a shared fact).
+    """
+
+    signature: dict
+    payload: object = None
+    op: tuple | None = None
+    native: bool = field(default=True)
+
+
+def agree(comm, prepare):
+    """Run ``prepare()`` locally, then agree on its verdict and signature in one collective.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm
+        A communicator checked by :func:`check_comm`.
+    prepare : callable
+        Returns a :class:`Call`. Any exception it raises becomes this rank's
+        verdict.
+
+    Returns
+    -------
+    Call
+        With ``native`` set to the agreed fact.
+
+    Raises
+    ------
+    Exception
+        On every rank: the failing rank's own exception there, :class:`RankError`
+        elsewhere; ``ValueError`` naming the fields when ranks disagree.
+    """
+    from ._op import native_op_available, record_op
+
+    entry = current_entry()
+    size, rank = comm.Get_size(), comm.Get_rank()
+    error, fields, codes, native, call = None, {}, [], 0, None
+    try:
+        call = prepare()
+        fields = {"entry point": entry, **call.signature}
+        if len(fields) > MAX_FIELDS:
+            raise RuntimeError(f"mpitree internal error: {len(fields)} signature fields")
+        codes = [_code(v) for v in fields.values()]
+        if call.op is not None:
+            record_op(*call.op)
+        native = int(native_op_available())
+    except Exception as exc:  # every local failure becomes this rank's verdict
+        error = exc
+    buf = np.zeros(2 + 2 * MAX_FIELDS, dtype=np.int64)
+    buf[0] = rank if error is not None else size
+    buf[1] = native
+    buf[2 : 2 + len(codes)] = codes
+    buf[2 + MAX_FIELDS : 2 + MAX_FIELDS + len(codes)] = [-c for c in codes]
+    if size > 1:
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MIN)
+    if buf[0] < size:
+        raise_failure(comm, error)
+    lo, hi = buf[2 : 2 + MAX_FIELDS], -buf[2 + MAX_FIELDS :]
+    differ = np.flatnonzero(lo != hi)
+    if differ.size:
+        _raise_disagreement(comm, fields, differ)
+    call.native = bool(buf[1])
+    return call
+
+
+def _raise_disagreement(comm, fields, differ):
+    """Raise on every rank: ranks disagree on some fields (failure path: one allgather)."""
+    names = list(fields)
+    differ = [names[i] if i < len(names) else f"field {i}" for i in differ]
+    values = comm.allgather({name: repr(fields.get(name)) for name in differ})
+    detail = "; ".join(
+        f"{name}: " + ", ".join(f"rank {r}: {v[name]}" for r, v in enumerate(values))
+        for name in differ
+    )
+    raise ValueError(f"mpitree: ranks disagree on {', '.join(differ)} ({detail})")
+
+
+def flagged_allreduce(comm, values, op, error):
+    """Allreduce a float array with a built-in ``op`` (MAX or SUM), carrying a failure flag.
+
+    ``values`` is this rank's contribution (ignored when ``error`` is set).
+    Returns the reduced array; raises on every rank if any rank failed.
+    """
+    values = np.asarray(values)
+    buf = np.zeros(values.size + 1, dtype=np.float64 if values.dtype == np.float64 else np.float32)
+    if error is None:
+        buf[:-1] = values.reshape(-1)
+    else:
+        buf[:-1] = -np.inf if op == MPI.MAX else 0
+    buf[-1] = 1 if error is not None else 0
+    if comm.Get_size() > 1:
+        from ._traffic import traffic
+
+        traffic.add(buf.nbytes)
+        comm.Allreduce(MPI.IN_PLACE, buf, op=op)
+    if buf[-1] > 0:
+        raise_failure(comm, error)
+    return buf[:-1].reshape(values.shape)

@@ -1,0 +1,93 @@
+"""Load the compiled library (``_native.c``, built as ``mpitree._native``) once, thread-safely."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import threading
+
+NATIVE_ENV = "MPITREE_NATIVE_OP"
+_lock = threading.Lock()
+_loaded = False
+_lib = None
+_error = None
+
+
+class AttnArgs(ctypes.Structure):
+    """Mirror of ``mpitree_attn_args`` in ``_native.c``."""
+
+    _fields_ = [
+        ("batch", ctypes.c_int64),
+        ("q_heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("q_len", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("k_strides", ctypes.c_int64 * 3),
+        ("v_strides", ctypes.c_int64 * 3),
+        ("lens", ctypes.c_void_p),
+        ("t", ctypes.c_int64),
+        ("vis", ctypes.c_void_p),
+        ("vis_heads", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+    ]
+
+
+def library_path():
+    """Return the path of the compiled library built for this interpreter, or None.
+
+    Found through the import system, so only a file with this interpreter's
+    extension suffix counts (a stray ``_native*.so`` of another build does not).
+    """
+    try:
+        spec = importlib.util.find_spec("mpitree._native")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return None
+    return spec.origin
+
+
+def _load():
+    """Open the library and declare its functions; return (lib, None) or (None, reason)."""
+    if os.environ.get(NATIVE_ENV, "1") == "0":
+        return None, f"disabled by {NATIVE_ENV}=0"
+    path = library_path()
+    if path is None:
+        return None, "mpitree/_native*.so was not built (no C compiler at install time?)"
+    try:
+        lib = ctypes.CDLL(path)
+        lib.mpitree_bind_slot.restype = ctypes.c_void_p
+        lib.mpitree_bind_slot.argtypes = [ctypes.c_int] * 3
+        lib.mpitree_nslots.restype = ctypes.c_int
+        lib.mpitree_combine.restype = None
+        lib.mpitree_combine.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        lib.mpitree_combine.argtypes += [ctypes.c_int, ctypes.c_int]
+        lib.mpitree_attend_f32.restype = None
+        lib.mpitree_attend_f32.argtypes = [ctypes.POINTER(AttnArgs)] + [ctypes.c_void_p] * 5
+        lib.mpitree_attend_scratch.restype = ctypes.c_int64
+        lib.mpitree_attend_scratch.argtypes = [ctypes.c_int64] * 2
+        lib.mpitree_read_f32.restype = ctypes.c_float
+        lib.mpitree_read_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        lib.mpitree_kernel_isa.restype = ctypes.c_char_p
+        lib.mpitree_kernel_isa.argtypes = []
+    except (OSError, AttributeError) as exc:
+        return None, f"could not load {path}: {exc}"
+    return lib, None
+
+
+def native_lib():
+    """Return the loaded library, or None when it is unavailable (loads once, under a lock)."""
+    global _loaded, _lib, _error
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                _lib, _error = _load()
+                _loaded = True
+    return _lib
+
+
+def load_error():
+    """Return why the library is unavailable, or None when it is loaded."""
+    native_lib()
+    return _error

@@ -1,0 +1,147 @@
+"""The one merger object: record buffer, strategy (op, persistent request) and host staging.
+
+A :class:`Merger` is built once for a problem (rows, head dim, accumulation
+dtype, strategy) and merges step after step without allocating: plans own one,
+and one-shot calls, adapters and the transformers cache share the mergers
+cached on their communicator (:func:`merger_for`).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+
+import numpy as np
+from mpi4py import MPI
+
+from ._guard import raise_failure
+from ._namespace import namespace
+from ._state import empty_records
+from ._strategies import REGISTRY
+
+_CACHE_SIZE = 16
+_keyval = None
+_keyval_lock = threading.Lock()
+
+
+class Merger:
+    """Merges ``(rows, D + 2)`` records across ``comm`` with one strategy, reusably.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm
+        Checked and agreed on by the caller.
+    rows, head_dim : int
+        Records to merge and ``D``.
+    acc : str
+        Accumulation dtype name, "float32" or "float64".
+    strategy : str
+        A resolved strategy name (not ``"auto"``).
+    node_size : int
+        Virtual node size for ``"hierarchical"`` (0: real nodes).
+    persistent : bool
+        Use a persistent request where the strategy and MPI support one.
+    like : array, optional
+        A device array whose records are staged through this merger's host
+        buffer (allocated page-locked for CUDA).
+    """
+
+    def __init__(
+        self, comm, rows, head_dim, acc, strategy, *, node_size=0, persistent=True, like=None
+    ):
+        self.comm, self.strategy = comm, strategy
+        shape = (rows + 1, head_dim + 2)
+        if like is None:
+            self.buf = np.empty(shape, dtype=np.dtype(acc))
+        else:
+            self.buf = namespace(like).pinned_empty(shape, acc, like)
+        self.records = self.buf[:rows]
+        self._impl = REGISTRY[strategy](self, node_size, persistent)
+        self._finalizer = weakref.finalize(self, self._impl.free)
+
+    def merge(self, local):
+        """Fill this rank's records and merge them across ranks; return the merged records.
+
+        Parameters
+        ----------
+        local : callable or object
+            ``local(records)`` (or ``local.fill(records)``) writes this rank's
+            ``(rows, D + 2)`` host records. It runs inside the guard: whatever it
+            raises becomes this rank's verdict, carried by the merge collective.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``(rows, D + 2)`` merged records: this merger's buffer, valid until
+            its next merge.
+
+        Raises
+        ------
+        Exception
+            On every rank when any rank's local work failed.
+        """
+        fill = getattr(local, "fill", local)
+        error = None
+        try:
+            fill(self.records)
+        except Exception as exc:  # the verdict rides in the merge collective
+            error = exc
+            empty_records(self.records)
+        failed = self._impl.reduce(local, error is not None)
+        if failed:
+            error = error if error is not None else self._impl.error
+            self._impl.error = None
+            raise_failure(self.comm, error)
+        return self.records
+
+    def free(self):
+        """Release the merger's MPI resources now (otherwise when it is collected)."""
+        self._finalizer()
+
+    def __repr__(self):
+        rows, width = self.records.shape
+        return f"Merger({self.strategy!r}, rows={rows}, D={width - 2}, {self.buf.dtype})"
+
+
+def _staging(like):
+    """Return the kind of host buffer ``like``'s records need: None for host arrays."""
+    if like is None:
+        return None
+    ns = namespace(like)
+    return None if ns.name == "numpy" else ns.device(like)
+
+
+def _delete(comm, keyval, cache):
+    """Attribute delete callback: free the cached mergers with their communicator."""
+    for merger in cache.values():
+        merger.free()
+    cache.clear()
+
+
+def merger_for(comm, rows, head_dim, acc, strategy, node_size=0, like=None):
+    """Return the merger cached on ``comm`` for this problem, building it on first use.
+
+    Collective on first use (a persistent request, a node split); call it only
+    after the agreement, with agreed arguments, on every rank. At most
+    16 mergers are kept per communicator (least recently used dropped).
+    """
+    global _keyval
+    if _keyval is None:
+        with _keyval_lock:
+            if _keyval is None:
+                _keyval = MPI.Comm.Create_keyval(delete_fn=_delete)
+    cache = comm.Get_attr(_keyval)
+    if cache is None:
+        cache = OrderedDict()
+        comm.Set_attr(_keyval, cache)
+    key = (rows, head_dim, acc, strategy, node_size, _staging(like))
+    merger = cache.get(key)
+    if merger is None:
+        merger = cache[key] = Merger(
+            comm, rows, head_dim, acc, strategy, node_size=node_size, like=like
+        )
+        if len(cache) > _CACHE_SIZE:
+            cache.popitem(last=False)[1].free()
+    cache.move_to_end(key)
+    return merger

@@ -1,0 +1,421 @@
+"""One array-namespace dispatch for numpy, CuPy, torch and JAX arrays.
+
+Arrays are recognised by checking the type against a framework that is already
+in ``sys.modules`` (the pattern of array-api-compat): if ``torch`` was never
+imported, no tensor can exist, so nothing here ever imports a framework. Every
+module that handles arrays (the local kernel, masks, the output finish, energy,
+spec) asks :func:`namespace` for the operations whose spelling differs between
+frameworks, and writes everything else with operators shared by all four.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+
+def _torch_module(x):
+    """Return torch if ``x`` is a torch tensor, else None."""
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and isinstance(x, torch.Tensor) else None
+
+
+def _cupy_module(x):
+    """Return cupy if ``x`` is a CuPy array, else None."""
+    cupy = sys.modules.get("cupy")
+    return cupy if cupy is not None and isinstance(x, cupy.ndarray) else None
+
+
+def _jax_module(x):
+    """Return jax.numpy if ``x`` is a JAX array, else None."""
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(x, getattr(jax, "Array", ())):
+        return sys.modules.get("jax.numpy") or __import__("jax.numpy", fromlist=["numpy"])
+    return None
+
+
+class NumpyLike:
+    """numpy, CuPy and jax.numpy: one spelling (JAX arrays are immutable: no ``out=``)."""
+
+    def __init__(self, name, xp):
+        self.name, self.xp = name, xp
+
+    def __repr__(self):
+        return f"<array namespace {self.name}>"
+
+    # dtypes -------------------------------------------------------------------------
+    def dtype(self, name):
+        """Return the framework's dtype called ``name``."""
+        return getattr(self.xp, name)
+
+    def is_integer(self, x):
+        """Whether ``x`` holds integers (not bool)."""
+        return np.dtype(x.dtype).kind in "iu"
+
+    def is_bool(self, x):
+        """Whether ``x`` holds booleans."""
+        return np.dtype(x.dtype).kind == "b"
+
+    def astype(self, x, name):
+        """``x`` as dtype ``name`` (no copy when it already is)."""
+        return x if str(x.dtype) == name else x.astype(self.dtype(name))
+
+    # creation -----------------------------------------------------------------------
+    def asarray(self, x, like=None):
+        """``x`` as an array of this namespace."""
+        return self.xp.asarray(x)
+
+    def arange(self, n, like=None):
+        """``0 .. n-1`` as int64."""
+        return self.xp.arange(n, dtype=self.xp.int64)
+
+    def full(self, shape, value, name, like=None):
+        """Return a new array filled with ``value``."""
+        return self.xp.full(shape, value, dtype=self.dtype(name))
+
+    def eye(self, n, like=None):
+        """Return the boolean identity matrix."""
+        return self.xp.eye(n, dtype=bool)
+
+    def tril(self, n, like=None):
+        """Return the boolean lower-triangular ``(n, n)`` matrix."""
+        return self.xp.tril(self.xp.ones((n, n), dtype=bool))
+
+    # shape --------------------------------------------------------------------------
+    def mT(self, x):
+        """Swap the last two axes."""
+        return self.xp.swapaxes(x, -1, -2)
+
+    def broadcast_to(self, x, shape):
+        """Broadcast ``x`` to ``shape`` (a view)."""
+        return self.xp.broadcast_to(x, shape)
+
+    def concat(self, arrays, axis=-1):
+        """Concatenate along ``axis``."""
+        return self.xp.concatenate(arrays, axis=axis)
+
+    def contiguous(self, x):
+        """``x`` in C order (JAX arrays already are, logically)."""
+        return x if self.name == "jax" else self.xp.ascontiguousarray(x)
+
+    # elementwise and reductions -----------------------------------------------------
+    def where(self, cond, a, b):
+        """Select ``a`` where ``cond`` else ``b``."""
+        return self.xp.where(cond, a, b)
+
+    def exp(self, x):
+        """Elementwise exp."""
+        return self.xp.exp(x)
+
+    def log(self, x):
+        """Elementwise natural log."""
+        return self.xp.log(x)
+
+    def isneginf(self, x):
+        """Elementwise ``x == -inf``."""
+        return self.xp.isneginf(x)
+
+    def isfinite(self, x):
+        """Elementwise finiteness."""
+        return self.xp.isfinite(x)
+
+    def max(self, x, axis, keepdims=False):
+        """Maximum along ``axis``."""
+        return self.xp.max(x, axis=axis, keepdims=keepdims)
+
+    def sum(self, x, axis):
+        """Sum along ``axis``."""
+        return self.xp.sum(x, axis=axis)
+
+    def all(self, x, axis=None):
+        """Logical AND along ``axis`` (all axes: a Python bool)."""
+        out = self.xp.all(x, axis=axis)
+        return bool(out) if axis is None else out
+
+    def any(self, x):
+        """Whether any element is true (a Python bool)."""
+        return bool(self.xp.any(x))
+
+    def cumsum(self, x, axis=-1):
+        """Cumulative sum along ``axis``."""
+        return self.xp.cumsum(x, axis=axis)
+
+    def last_true(self, x):
+        """Index of the last True of a 1-D boolean array, or -1."""
+        found = self.xp.flatnonzero(x)
+        return int(found[-1]) if found.size else -1
+
+    def cumprod(self, x, axis=-1):
+        """Cumulative product along ``axis``."""
+        return self.xp.cumprod(x, axis=axis)
+
+    def argmax(self, x, axis=-1):
+        """Index of the first maximum along ``axis``, int64."""
+        return self.astype(self.xp.argmax(x, axis=axis), "int64")
+
+    def argsort(self, x, axis=-1):
+        """Stable argsort along ``axis``."""
+        return self.xp.argsort(x, axis=axis, kind="stable")
+
+    def einsum(self, spec, *operands):
+        """Einstein summation."""
+        return self.xp.einsum(spec, *operands)
+
+    def stop_gradient(self, x):
+        """``x`` held constant for differentiation."""
+        if self.name == "jax":
+            return sys.modules["jax"].lax.stop_gradient(x)
+        return x
+
+    # host and device ----------------------------------------------------------------
+    def device(self, x):
+        """Return a comparable description of where ``x`` lives."""
+        if self.name == "cupy":
+            return ("cupy", x.device.id)
+        if self.name == "jax":
+            return ("jax", tuple(sorted(str(d) for d in x.devices())))
+        return ("cpu",)
+
+    def on_host(self, x):
+        """Whether ``x`` is host memory numpy can share without a copy."""
+        return self.name == "numpy"
+
+    def to_numpy(self, x):
+        """``x`` as a host numpy array (a copy unless it already is one)."""
+        if self.name == "cupy":
+            return x.get()
+        return np.asarray(x)
+
+    def from_numpy(self, a, like=None):
+        """Host array ``a`` in this namespace, on ``like``'s device."""
+        if self.name == "numpy":
+            return a
+        return self.xp.asarray(a)
+
+    def pinned_empty(self, shape, name, like=None):
+        """Return a host numpy array for staging device data (page-locked where that helps)."""
+        if self.name == "cupy":
+            pinned = getattr(sys.modules.get("cupyx"), "empty_pinned", None)
+            if pinned is not None:
+                return pinned(shape, dtype=np.dtype(name))
+        return np.empty(shape, dtype=np.dtype(name))
+
+
+class Torch:
+    """torch, on the tensors' device."""
+
+    name = "torch"
+
+    def __init__(self, torch):
+        self.t = torch
+
+    def __repr__(self):
+        return "<array namespace torch>"
+
+    def dtype(self, name):
+        """Return the torch dtype called ``name``."""
+        return getattr(self.t, name)
+
+    def is_integer(self, x):
+        """Whether ``x`` holds integers (not bool)."""
+        return not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == self.t.bool)
+
+    def is_bool(self, x):
+        """Whether ``x`` holds booleans."""
+        return x.dtype == self.t.bool
+
+    def astype(self, x, name):
+        """``x`` as dtype ``name`` (no copy when it already is)."""
+        return x.to(self.dtype(name))
+
+    def asarray(self, x, like=None):
+        """``x`` as a tensor on ``like``'s device."""
+        return self.t.as_tensor(x, device=None if like is None else like.device)
+
+    def arange(self, n, like=None):
+        """``0 .. n-1`` as int64 on ``like``'s device."""
+        return self.t.arange(n, device=None if like is None else like.device)
+
+    def full(self, shape, value, name, like=None):
+        """Return a new tensor filled with ``value``."""
+        device = None if like is None else like.device
+        return self.t.full(tuple(shape), value, dtype=self.dtype(name), device=device)
+
+    def eye(self, n, like=None):
+        """Return the boolean identity matrix."""
+        return self.t.eye(n, dtype=self.t.bool, device=None if like is None else like.device)
+
+    def tril(self, n, like=None):
+        """Return the boolean lower-triangular ``(n, n)`` matrix."""
+        device = None if like is None else like.device
+        return self.t.tril(self.t.ones((n, n), dtype=self.t.bool, device=device))
+
+    def mT(self, x):
+        """Swap the last two axes."""
+        return x.transpose(-1, -2)
+
+    def broadcast_to(self, x, shape):
+        """Broadcast ``x`` to ``shape`` (a view)."""
+        return x.expand(*shape)
+
+    def concat(self, arrays, axis=-1):
+        """Concatenate along ``axis``."""
+        return self.t.cat(arrays, dim=axis)
+
+    def contiguous(self, x):
+        """``x`` in C order."""
+        return x.contiguous()
+
+    def where(self, cond, a, b):
+        """Select ``a`` where ``cond`` else ``b`` (scalars allowed)."""
+        return self.t.where(cond, a, b)
+
+    def exp(self, x):
+        """Elementwise exp."""
+        return self.t.exp(x)
+
+    def log(self, x):
+        """Elementwise natural log."""
+        return self.t.log(x)
+
+    def isneginf(self, x):
+        """Elementwise ``x == -inf``."""
+        return self.t.isneginf(x)
+
+    def isfinite(self, x):
+        """Elementwise finiteness."""
+        return self.t.isfinite(x)
+
+    def max(self, x, axis, keepdims=False):
+        """Maximum along ``axis``."""
+        return self.t.amax(x, dim=axis, keepdim=keepdims)
+
+    def sum(self, x, axis):
+        """Sum along ``axis``."""
+        return x.sum(dim=axis)
+
+    def all(self, x, axis=None):
+        """Logical AND along ``axis`` (all axes: a Python bool)."""
+        return bool(x.all()) if axis is None else x.all(dim=axis)
+
+    def any(self, x):
+        """Whether any element is true (a Python bool)."""
+        return bool(x.any())
+
+    def cumsum(self, x, axis=-1):
+        """Cumulative sum along ``axis``."""
+        return x.cumsum(dim=axis)
+
+    def last_true(self, x):
+        """Index of the last True of a 1-D boolean tensor, or -1."""
+        found = x.nonzero()
+        return int(found[-1, 0]) if found.numel() else -1
+
+    def cumprod(self, x, axis=-1):
+        """Cumulative product along ``axis``."""
+        return x.cumprod(dim=axis)
+
+    def argmax(self, x, axis=-1):
+        """Index of the first maximum along ``axis``, int64."""
+        return x.argmax(dim=axis)
+
+    def argsort(self, x, axis=-1):
+        """Stable argsort along ``axis``."""
+        return self.t.argsort(x, dim=axis, stable=True)
+
+    def einsum(self, spec, *operands):
+        """Einstein summation."""
+        return self.t.einsum(spec, *operands)
+
+    def stop_gradient(self, x):
+        """``x`` held constant for differentiation."""
+        return x.detach()
+
+    def device(self, x):
+        """Return a comparable description of where ``x`` lives."""
+        return ("torch", str(x.device))
+
+    def on_host(self, x):
+        """Whether ``x`` is host memory numpy can share without a copy."""
+        return x.device.type == "cpu" and x.dtype != self.t.bfloat16
+
+    def to_numpy(self, x):
+        """``x`` as a host numpy array (shared with a CPU tensor where possible)."""
+        x = x.detach()
+        if x.device.type != "cpu":
+            x = x.cpu()
+        if x.dtype == self.t.bfloat16:
+            x = x.float()
+        return x.numpy()
+
+    def from_numpy(self, a, like=None):
+        """Host array ``a`` as a tensor on ``like``'s device."""
+        out = self.t.from_numpy(a)
+        return out if like is None or like.device.type == "cpu" else out.to(like.device)
+
+    def pinned_empty(self, shape, name, like=None):
+        """Return a host numpy array for staging ``like``'s device data (pinned for CUDA)."""
+        pin = like is not None and like.device.type == "cuda"
+        return self.t.empty(tuple(shape), dtype=self.dtype(name), pin_memory=pin).numpy()
+
+
+_NUMPY = NumpyLike("numpy", np)
+
+
+def namespace(*arrays):
+    """Return the namespace of ``arrays`` (``None`` entries are skipped).
+
+    Parameters
+    ----------
+    *arrays : array or None
+        numpy, CuPy, torch or JAX arrays; Python scalars and lists count as numpy.
+
+    Returns
+    -------
+    NumpyLike or Torch
+        The operations for these arrays.
+
+    Raises
+    ------
+    TypeError
+        When the arrays belong to different frameworks.
+    """
+    found = None
+    for x in arrays:
+        if x is None:
+            continue
+        ns = _namespace_of(x)
+        if found is None:
+            found = ns
+        elif ns.name != found.name:
+            raise TypeError(
+                f"arrays from different frameworks: {found.name} and {ns.name} "
+                f"({type(x).__module__}.{type(x).__name__})"
+            )
+    return found or _NUMPY
+
+
+def _namespace_of(x):
+    """Return the namespace of one array."""
+    if isinstance(x, np.ndarray) or np.isscalar(x) or isinstance(x, (list, tuple)):
+        return _NUMPY
+    torch = _torch_module(x)
+    if torch is not None:
+        return Torch(torch)
+    cupy = _cupy_module(x)
+    if cupy is not None:
+        return NumpyLike("cupy", cupy)
+    jnp = _jax_module(x)
+    if jnp is not None:
+        return NumpyLike("jax", jnp)
+    raise TypeError(
+        f"expected a numpy, CuPy, torch or JAX array, got {type(x).__module__}.{type(x).__name__}"
+    )
+
+
+def is_array(x):
+    """Whether ``x`` is an array of a supported framework (not a list or scalar)."""
+    if isinstance(x, np.ndarray):
+        return True
+    return any(f(x) is not None for f in (_torch_module, _cupy_module, _jax_module))

@@ -1,0 +1,114 @@
+"""Strategy names, option checks and the accumulation-dtype rule, each defined once."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+STRATEGIES = ("auto", "allreduce", "allreduce3", "allgather", "ring", "hierarchical")
+FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
+NODE_SIZE_ENV = "MPITREE_NODE_SIZE"
+_MAX_NODE_SIZE = 1 << 30
+
+
+def dtype_name(dtype) -> str:
+    """Return the plain name of a numpy, torch, CuPy or JAX dtype ("float32", "bfloat16")."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def acc_name(dtype) -> str:
+    """Return the accumulation dtype for inputs of ``dtype``: float64 stays, all else float32."""
+    return "float64" if dtype_name(dtype) == "float64" else "float32"
+
+
+def acc_dtype(dtype) -> np.dtype:
+    """Return :func:`acc_name` as a numpy dtype."""
+    return np.dtype(acc_name(dtype))
+
+
+def check_strategy(strategy) -> str:
+    """Validate a strategy name."""
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    return strategy
+
+
+def check_flag(name, value) -> bool:
+    """Validate a boolean option (Python or numpy bool)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def resolve_scale(scale, head_dim) -> float:
+    """Return the softmax scale as a finite Python float (default ``1/sqrt(D)``)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"scale must be a real number, got {scale!r}")
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale must be a real number, got {scale!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
+    return value
+
+
+def resolve_node_size(value=None) -> int:
+    """Return the virtual node size: the argument, else ``MPITREE_NODE_SIZE``, else 0 (real)."""
+    source = "node_size"
+    if value is None:
+        value, source = os.environ.get(NODE_SIZE_ENV, "0") or "0", NODE_SIZE_ENV
+    if isinstance(value, (bool, np.bool_, float)):
+        raise TypeError(f"{source} must be an integer, got {value!r}")
+    try:
+        value = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{source} must be an integer, got {value!r}") from None
+    if not 0 <= value <= _MAX_NODE_SIZE:
+        raise ValueError(f"{source} must lie in [0, 2**30] (0: real nodes), got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Options:
+    """The resolved options of a collective call, identical on every rank once agreed."""
+
+    strategy: str = "auto"
+    scale: float = 1.0
+    deterministic: bool = False
+    node_size: int = 0
+    validate: bool = False
+
+    @classmethod
+    def resolve(
+        cls,
+        head_dim,
+        strategy="auto",
+        scale=None,
+        deterministic=False,
+        node_size=None,
+        validate=False,
+    ) -> Options:
+        """Validate user options for head dim ``head_dim``; raise TypeError/ValueError."""
+        return cls(
+            check_strategy(strategy),
+            resolve_scale(scale, head_dim),
+            check_flag("deterministic", deterministic),
+            resolve_node_size(node_size),
+            check_flag("validate", validate),
+        )
+
+    def signature(self) -> dict:
+        """Return the fields every rank must agree on."""
+        return {
+            "strategy": self.strategy,
+            "scale": self.scale,
+            "deterministic": self.deterministic,
+            "node size": self.node_size,
+            "validate": self.validate,
+        }

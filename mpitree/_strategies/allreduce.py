@@ -1,0 +1,48 @@
+"""``allreduce``: one MPI_Allreduce of the records with the native (m, d, n) user op."""
+
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from .._op import record_op
+from .._traffic import traffic
+from . import Strategy, flagged, register, set_flag
+
+
+@register
+class Allreduce(Strategy):
+    """One all-reduce (a persistent ``MPI_Allreduce_init`` request where MPI has it)."""
+
+    name = "allreduce"
+
+    def __init__(self, merger, node_size=0, persistent=True):
+        super().__init__(merger, node_size, persistent)
+        self._request = None
+        if self.comm.Get_size() == 1:
+            return
+        rec, self._op = record_op(merger.buf.dtype, merger.buf.shape[1])
+        self._spec = [merger.buf, merger.buf.shape[0], rec]
+        if persistent:
+            try:
+                self._request = self.comm.Allreduce_init(MPI.IN_PLACE, self._spec, self._op)
+            except (NotImplementedError, MPI.Exception):
+                self._request = None
+
+    def reduce(self, local, failed):
+        """One all-reduce of records and flag."""
+        buf = self.merger.buf
+        set_flag(buf, failed)
+        if self.comm.Get_size() > 1:
+            traffic.add(buf.nbytes)
+            if self._request is not None:
+                self._request.Start()
+                self._request.Wait()
+            else:
+                self.comm.Allreduce(MPI.IN_PLACE, self._spec, self._op)
+        return flagged(buf)
+
+    def free(self):
+        """Free the persistent request."""
+        if self._request is not None and not MPI.Is_finalized():
+            self._request.Free()
+        self._request = None

@@ -1,0 +1,46 @@
+"""``hierarchical``: reduce inside each node, all-reduce among node leaders, broadcast back."""
+
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from .._op import record_op
+from .._topology import layout
+from .._traffic import traffic
+from . import Strategy, flagged, register, set_flag
+
+
+@register
+class Hierarchical(Strategy):
+    """Two levels of the native op, on real nodes or virtual nodes of ``node_size`` ranks."""
+
+    name = "hierarchical"
+
+    def __init__(self, merger, node_size=0, persistent=True):
+        super().__init__(merger, node_size, persistent)
+        if self.comm.Get_size() == 1:
+            return
+        rec, self._op = record_op(merger.buf.dtype, merger.buf.shape[1])
+        self._spec = [merger.buf, merger.buf.shape[0], rec]
+        self.layout = layout(self.comm, node_size)
+
+    def reduce(self, local, failed):
+        """Reduce to each node's leader, all-reduce among leaders, broadcast inside nodes."""
+        buf = self.merger.buf
+        set_flag(buf, failed)
+        if self.comm.Get_size() == 1:
+            return flagged(buf)
+        node, leaders = self.layout.node, self.layout.leaders
+        if node.Get_size() > 1:
+            traffic.add(buf.nbytes)
+            if node.Get_rank() == 0:
+                node.Reduce(MPI.IN_PLACE, self._spec, self._op, root=0)
+            else:
+                node.Reduce(self._spec, None, self._op, root=0)
+        if leaders != MPI.COMM_NULL and leaders.Get_size() > 1:
+            traffic.add(buf.nbytes)
+            leaders.Allreduce(MPI.IN_PLACE, self._spec, self._op)
+        if node.Get_size() > 1:
+            traffic.add(buf.nbytes)
+            node.Bcast(self._spec, root=0)
+        return flagged(buf)

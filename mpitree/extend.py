@@ -1,0 +1,65 @@
+"""The documented extension API for adapters: the guarded path and the shared merger.
+
+An adapter that brings its own local attention (a fused kernel, another cache
+layout) joins mpitree's guarantees by following the core's own pattern::
+
+    from mpitree import extend
+
+    @extend.entry_point                    # joins the bad-input catalogue test
+    def my_decode(q, cache, comm=None, *, strategy="auto"):
+        comm = extend.check_comm(comm)
+
+        def prepare():                     # every local check, inside the guard
+            ...validate q and cache...
+            opts = extend.Options.resolve(head_dim, strategy)
+            return extend.Call(signature, payload, op=extend.op_needed(...))
+
+        call = extend.agree(comm, prepare) # the one agreement collective
+        merger = extend.merger_for(comm, rows, head_dim, "float32",
+                                   extend.resolve(opts.strategy, comm, call.native))
+        records = merger.merge(fill)       # fill(records) runs inside the guard
+        return extend.finish(records.reshape(B, Hq, Sq, -1), q)
+
+Everything here is public and stable within a minor version; adapters in
+``mpitree.adapters`` use nothing else of the core.
+"""
+
+from ._checks import Problem, check_masking, check_qkv
+from ._guard import ENTRY_POINTS, Call, RankError, agree, check_comm, entry_point
+from ._local import attend, state_records
+from ._masks import visibility
+from ._merger import Merger, merger_for
+from ._namespace import namespace
+from ._options import Options, acc_name, dtype_name
+from ._plan import Attention, prepare_attention
+from ._state import combine_records, empty_records, finish, merge_records
+from ._strategies import op_needed, resolve
+
+__all__ = [
+    "ENTRY_POINTS",
+    "Attention",
+    "Call",
+    "Merger",
+    "Options",
+    "Problem",
+    "RankError",
+    "acc_name",
+    "agree",
+    "attend",
+    "check_comm",
+    "check_masking",
+    "check_qkv",
+    "combine_records",
+    "dtype_name",
+    "empty_records",
+    "entry_point",
+    "finish",
+    "merge_records",
+    "merger_for",
+    "namespace",
+    "op_needed",
+    "prepare_attention",
+    "resolve",
+    "state_records",
+    "visibility",
+]
