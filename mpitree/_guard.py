@@ -199,14 +199,17 @@ def agree(comm, prepare):
 
 def _raise_disagreement(comm, fields, differ):
     """Raise on every rank: ranks disagree on some fields (failure path: one allgather)."""
-    names = list(fields)
-    differ = [names[i] if i < len(names) else f"field {i}" for i in differ]
-    values = comm.allgather({name: repr(fields.get(name)) for name in differ})
+    items = list(fields.items())
+    if differ[0] == 0:  # ranks are in different calls: the other fields do not compare
+        differ = differ[:1]
+    mine = [items[i] if i < len(items) else (f"field {i}", None) for i in differ]
+    every = comm.allgather([(name, repr(value)) for name, value in mine])
+    names = dict.fromkeys(name for rank in every for name, _ in rank)
     detail = "; ".join(
-        f"{name}: " + ", ".join(f"rank {r}: {v[name]}" for r, v in enumerate(values))
-        for name in differ
+        ", ".join(f"rank {r}: {rank[j][0]}={rank[j][1]}" for r, rank in enumerate(every))
+        for j in range(len(differ))
     )
-    raise ValueError(f"mpitree: ranks disagree on {', '.join(differ)} ({detail})")
+    raise ValueError(f"mpitree: ranks disagree on {', '.join(names)} ({detail})")
 
 
 def flagged_allreduce(comm, values, op, error):

@@ -48,6 +48,12 @@ def grouped_keep(ns, lens, vis, q, k):
     return ns.broadcast_to(keep, (b, hkv, g, sq, t)).reshape(b, hkv, g * sq, t)
 
 
+# Garbage in excluded slots is the normal case: the products that touch it are selected
+# away, so numpy's "invalid value" and overflow warnings there are noise.
+quiet = np.errstate(invalid="ignore", over="ignore")
+
+
+@quiet
 def state_records(ns, q, k, v, scale, lens, vis, acc):
     """Return the ``(B, Hq, Sq, D + 2)`` records of q over k, v in namespace ``ns``, dtype ``acc``.
 

@@ -18,7 +18,7 @@ from mpi4py import MPI
 from ._guard import raise_failure
 from ._namespace import namespace
 from ._state import empty_records
-from ._strategies import REGISTRY
+from ._strategies import REGISTRY, free_requests
 
 _CACHE_SIZE = 16
 _keyval = None
@@ -58,7 +58,8 @@ class Merger:
             self.buf = namespace(like).pinned_empty(shape, acc, like)
         self.records = self.buf[:rows]
         self._impl = REGISTRY[strategy](self, node_size, persistent)
-        self._finalizer = weakref.finalize(self, self._impl.free)
+        # the finalizer holds the request list only, never the merger: dropping it frees them
+        self._finalizer = weakref.finalize(self, free_requests, self._impl.requests)
 
     def merge(self, local):
         """Fill this rank's records and merge them across ranks; return the merged records.

@@ -3,6 +3,7 @@
 import numpy as np
 
 
+@np.errstate(invalid="ignore", over="ignore")
 def reference_attention(q, k, v, *, scale=None, visible=None):
     """Single-process float64 attention over a whole (unsharded) KV cache.
 
@@ -19,7 +20,8 @@ def reference_attention(q, k, v, *, scale=None, visible=None):
     scale : float, optional
         Logit scale, default ``1/sqrt(D)``.
     visible : array_like of bool, optional
-        Broadcastable to ``(B, Hq, Sq, N)``; True = attend.
+        Broadcastable to ``(B, Hq, Sq, N)``; True = attend. Hidden keys never
+        reach the result, whatever their values (NaN and Inf included).
 
     Returns
     -------
@@ -45,6 +47,8 @@ def reference_attention(q, k, v, *, scale=None, visible=None):
         seen = np.isfinite(m)
         p = np.exp(s - np.where(seen, m, 0)[..., None])
         den = p.sum(axis=-1)
-        out[:, h] = np.where(seen[..., None], (p @ vh) / np.where(seen, den, 1)[..., None], 0)
+        # select the visible keys' values: hidden slots may hold NaN/Inf (0 * NaN = NaN)
+        num = np.where(visible[:, h, :, :, None], p[..., None] * vh[:, None], 0).sum(axis=-2)
+        out[:, h] = np.where(seen[..., None], num / np.where(seen, den, 1)[..., None], 0)
         lse[:, h] = np.where(seen, m + np.log(np.where(seen, den, 1)), -np.inf)
     return out, lse

@@ -2,10 +2,12 @@
 
 import atexit
 import os
+import threading
 
 from mpi4py import MPI
 
 _THREADS_ENV = "MPITREE_BLAS_THREADS"
+_lock = threading.Lock()
 _default_comm = None
 _blas_threads = None  # threads set so far in this process, or None
 
@@ -19,8 +21,11 @@ def default_comm():
     """
     global _default_comm
     if _default_comm is None:
-        _default_comm = MPI.COMM_WORLD.Dup()
-        _default_comm.Set_name("mpitree")
+        with _lock:
+            if _default_comm is None:
+                comm = MPI.COMM_WORLD.Dup()
+                comm.Set_name("mpitree")
+                _default_comm = comm
     return _default_comm
 
 

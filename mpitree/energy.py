@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ._guard import Call, agree, check_comm, entry_point, flagged_allreduce
-from ._local import grouped_keep, weighted_values
+from ._local import grouped_keep, quiet, weighted_values
 from ._merger import merger_for
 from ._namespace import NumpyLike, is_array, namespace
 from ._plan import prepare_attention
@@ -112,6 +112,7 @@ def free_energy(q, k, v, zeta=None, *, scale=None, causal=False, mask=None, shif
 # ----------------------------------------------------------------------------------------
 
 
+@quiet
 def _logits(step, zeta, acc):
     """Local logits ``scale q.k + zeta.v`` (-inf where not visible) and values, grouped.
 
@@ -134,6 +135,7 @@ def _logits(step, zeta, acc):
     return x, vv, keep
 
 
+@quiet
 def _records_of(x, vv, keep, hq, moments=None):
     """Return the (m, d, n [, second moments]) records of grouped logits x over values vv."""
     m = x.max(axis=-1, initial=-np.inf)
@@ -243,6 +245,7 @@ def tree_energy(
     return lse_of(merged, dtype=acc), output_of(merged)
 
 
+@quiet
 def _paper(comm, step, zeta, acc, hq):
     """Algorithms 1 and 2: MAX of m, SUM of the partition sum, then SUM of the gradient."""
     error = x = vv = keep = None

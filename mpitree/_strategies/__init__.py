@@ -33,13 +33,19 @@ class Strategy(ABC):
         self.merger = merger
         self.comm = merger.comm
         self.error = None  # an exception this rank hit inside the strategy's own steps
+        self.requests = []  # persistent requests, freed with the merger (see free_requests)
 
     @abstractmethod
     def reduce(self, local, failed):
         """Merge the buffer in place; return whether any rank failed."""
 
-    def free(self):  # noqa: B027  (most strategies hold nothing to free)
-        """Release MPI resources (persistent requests)."""
+
+def free_requests(requests):
+    """Free persistent requests (local, never collective); safe after MPI finalized."""
+    while requests:
+        request = requests.pop()
+        if not MPI.Is_finalized() and request != MPI.REQUEST_NULL:
+            request.Free()
 
 
 def register(cls):

@@ -25,6 +25,7 @@ class Allreduce(Strategy):
         if persistent:
             try:
                 self._request = self.comm.Allreduce_init(MPI.IN_PLACE, self._spec, self._op)
+                self.requests.append(self._request)
             except (NotImplementedError, MPI.Exception):
                 self._request = None
 
@@ -34,15 +35,9 @@ class Allreduce(Strategy):
         set_flag(buf, failed)
         if self.comm.Get_size() > 1:
             traffic.add(buf.nbytes)
-            if self._request is not None:
+            if self._request is not None and self.requests:
                 self._request.Start()
                 self._request.Wait()
             else:
                 self.comm.Allreduce(MPI.IN_PLACE, self._spec, self._op)
         return flagged(buf)
-
-    def free(self):
-        """Free the persistent request."""
-        if self._request is not None and not MPI.Is_finalized():
-            self._request.Free()
-        self._request = None

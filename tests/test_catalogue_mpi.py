@@ -1,0 +1,480 @@
+"""The bad-input catalogue: every communicating entry point x bad input on ONE rank.
+
+Each case gives one rank a bad argument (the last rank, or rank 1) and the
+others good ones. Every rank must raise a clear Python exception within
+seconds: the bad rank its own ``TypeError``/``ValueError``, the others
+``mpitree.RankError`` naming it, or ``ValueError: ranks disagree on ...``
+everywhere. Never a hang, an ``MPI_Abort`` or a silent wrong answer; and the
+communicator must still work afterwards (a correct decode follows each case).
+
+Every function decorated ``@entry_point`` must appear in :data:`CATALOGUE`:
+adding an entry point without catalogue cases fails
+``test_catalogue_covers_every_entry_point``.
+"""
+
+import ast
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import make_problem, world
+from numpy.testing import assert_allclose
+from standins import fake_cupy, fake_flash_attn
+
+if os.environ.get("MPITREE_REQUIRE_TORCH"):
+    import torch
+    import transformers  # noqa: F401
+else:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+
+import mpitree.adapters.transformers as mtt
+from models import prompt, tiny_llama
+
+import mpitree
+from mpitree import energy, spec
+from mpitree.extend import ENTRY_POINTS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bad_rank():
+    return world().size - 1
+
+
+def arrays(b=2, hq=4, hkv=2, sq=1, d=8, t=5, dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, hq, sq, d)).astype(dtype)
+    k = rng.standard_normal((b, hkv, t, d)).astype(dtype)
+    v = rng.standard_normal((b, hkv, t, d)).astype(dtype)
+    return q, k, v
+
+
+def pick(bad, good, wrong):
+    """``wrong`` on the bad rank when ``bad``, else ``good``."""
+    return wrong if bad else good
+
+
+# --------------------------------------------------------------------------------------
+# the core
+# --------------------------------------------------------------------------------------
+def tree_decode_cases():
+    def call(bad, **change):
+        q, k, v = arrays()
+        kw = dict(q=q, k=k, v=v)
+        if bad:
+            kw.update(change)
+        mpitree.tree_decode(**kw)
+
+    return {
+        "q heads": lambda bad: call(bad, q=arrays(hq=8)[0]),
+        "head dim": lambda bad: call(bad, q=arrays(d=16)[0]),
+        "batch": lambda bad: call(bad, q=arrays(b=3)[0]),
+        "dtype": lambda bad: call(bad, q=arrays(dtype=np.float64)[0]),
+        "kv dtype": lambda bad: call(bad, k=arrays(dtype=np.float64)[1]),
+        "ndim": lambda bad: call(bad, k=arrays()[1][0]),
+        "heads not a multiple": lambda bad: call(bad, k=arrays(hkv=3)[1], v=arrays(hkv=3)[2]),
+        "flash-attn layout": lambda bad: call(
+            bad, k=arrays()[1].transpose(0, 2, 1, 3).copy(), v=arrays()[2].transpose(0, 2, 1, 3)
+        ),
+        "non-contiguous": lambda bad: call(bad, k=np.zeros((2, 2, 5, 16), np.float32)[..., ::2]),
+        "mask shape": lambda bad: call(bad, mask=np.ones((2, 3, 1, 5), bool)),
+        "mask dtype": lambda bad: call(bad, mask=np.ones((2, 1, 1, 5), np.int8)),
+        "kv_len length": lambda bad: call(bad, kv_len=np.array([1, 2, 3])),
+        "kv_len dtype": lambda bad: call(bad, kv_len=np.array([1.0, 2.0])),
+        "kv_len too long": lambda bad: call(bad, kv_len=np.array([2, 9])),
+        "positions shape": lambda bad: call(
+            bad, q_pos=np.zeros((2, 1), int), k_pos=np.zeros((2, 4), int)
+        ),
+        "positions alone": lambda bad: call(bad, q_pos=np.zeros((2, 1), int)),
+        "scale -0.0": lambda bad: call(bad, scale=-0.0),
+        "scale NaN": lambda bad: call(bad, scale=float("nan")),
+        "scale string": lambda bad: call(bad, scale="x"),
+        "strategy": lambda bad: call(bad, strategy="tree"),
+        "strategy differs": lambda bad: call(bad, strategy="ring"),
+        "node size negative": lambda bad: call(bad, node_size=-1),
+        "node size 2**63": lambda bad: call(bad, node_size=2**63),
+        "deterministic 'no'": lambda bad: call(bad, deterministic="no"),
+        "validate q differs": lambda bad: mpitree.tree_decode(
+            arrays(seed=world().rank if bad else 0)[0], *arrays()[1:], validate=True
+        ),
+        "validate NaN": lambda bad: mpitree.tree_decode(
+            *arrays()[:2], np.full((2, 2, 5, 8), np.nan if bad else 0, np.float32), validate=True
+        ),
+        "mixed frameworks": lambda bad: call(bad, k=torch.from_numpy(arrays()[1])),
+        "list, not an array": lambda bad: call(bad, q=arrays()[0].tolist()),
+    }
+
+
+def plan_init_cases():
+    def call(bad, **change):
+        kw = dict(batch=2, q_heads=4, kv_heads=2, head_dim=8)
+        if bad:
+            kw.update(change)
+        mpitree.DecodePlan(**kw).free()
+
+    return {
+        "q heads": lambda bad: call(bad, q_heads=8),
+        "zero q_len": lambda bad: call(bad, q_len=0),
+        "float size": lambda bad: call(bad, batch=2.0),
+        "dtype": lambda bad: call(bad, dtype="int8"),
+        "heads not a multiple": lambda bad: call(bad, kv_heads=3),
+        "scale NaN": lambda bad: call(bad, scale=float("nan")),
+        "strategy": lambda bad: call(bad, strategy="tree"),
+        "node size 2**63": lambda bad: call(bad, node_size=2**63),
+        "deterministic 'no'": lambda bad: call(bad, deterministic="no"),
+        "validate differs": lambda bad: call(bad, validate=True),
+    }
+
+
+def plan_decode_cases():
+    def call(bad, strategy="auto", **change):
+        q, k, v = arrays()
+        kw = dict(q=q, k=k, v=v)
+        if bad:
+            kw.update(change)
+        with mpitree.DecodePlan(2, 4, 2, 8, strategy=strategy) as plan:
+            plan.decode(**kw)
+
+    return {
+        "batch change": lambda bad: call(bad, q=arrays(b=3)[0]),
+        "q heads": lambda bad: call(bad, q=arrays(hq=8)[0]),
+        "dtype": lambda bad: call(bad, q=arrays(dtype=np.float64)[0]),
+        "mask shape": lambda bad: call(bad, mask=np.ones((2, 3, 1, 5), bool)),
+        "kv_len length": lambda bad: call(bad, kv_len=np.array([1])),
+        "kv_len too long (ring)": lambda bad: call(bad, "ring", kv_len=np.array([2, 9])),
+        "positions shape": lambda bad: call(
+            bad, q_pos=np.zeros((2, 2), int), k_pos=np.zeros((2, 5), int)
+        ),
+        "mixed frameworks (allgather)": lambda bad: call(
+            bad, "allgather", k=torch.from_numpy(arrays()[1])
+        ),
+        "not an array (allreduce3)": lambda bad: call(bad, "allreduce3", v="v"),
+    }
+
+
+def allreduce_state_cases():
+    def call(bad, **change):
+        kw = dict(state=mpitree.State.empty((3,), 8), strategy="auto")
+        if bad:
+            kw.update(change)
+        mpitree.allreduce_state(**kw)
+
+    return {
+        "not a State": lambda bad: call(bad, state=np.zeros((3, 10))),
+        "head dim": lambda bad: call(bad, state=mpitree.State.empty((3,), 6)),
+        "rows": lambda bad: call(bad, state=mpitree.State.empty((4,), 8)),
+        "dtype": lambda bad: call(bad, state=mpitree.State.empty((3,), 8, np.float64)),
+        "strategy ring": lambda bad: call(bad, strategy="ring"),
+        "node size": lambda bad: call(bad, node_size="two"),
+        "deterministic 'no'": lambda bad: call(bad, deterministic="no"),
+    }
+
+
+def energy_cases(fn):
+    def call(bad, **change):
+        q, k, v = arrays()
+        kw = dict(q=q, k=k, v=v)
+        if bad:
+            kw.update(change)
+        fn(**kw)
+
+    cases = {
+        "q heads": lambda bad: call(bad, q=arrays(hq=8)[0]),
+        "mask shape": lambda bad: call(bad, mask=np.ones((2, 3, 1, 5), bool)),
+        "kv_len too long": lambda bad: call(bad, kv_len=np.array([2, 9])),
+        "scale NaN": lambda bad: call(bad, scale=float("nan")),
+        "torch arrays": lambda bad: call(bad, q=torch.zeros(2, 4, 1, 8)),
+    }
+    if fn is energy.tree_energy:
+        cases["algorithm"] = lambda bad: call(bad, algorithm="magic")
+        cases["algorithm differs"] = lambda bad: call(bad, algorithm="paper")
+        cases["zeta shape"] = lambda bad: call(bad, zeta=np.zeros((2, 4, 1, 4)))
+        cases["zeta only on one rank"] = lambda bad: call(bad, zeta=np.zeros((2, 4, 1, 8)))
+    else:
+        cases["full 'yes'"] = lambda bad: call(bad, full="yes")
+        cases["full differs"] = lambda bad: call(bad, full=True)
+    return cases
+
+
+def verify_attention_cases():
+    def call(bad, **change):
+        q, k, v = arrays(sq=3)
+        kt, vt = arrays(t=3, seed=1)[1:]
+        kw = dict(
+            q=q, k_context=k, v_context=v, k_tree=kt, v_tree=vt, tree_mask=np.ones((2, 3, 3), bool)
+        )
+        if bad:
+            kw.update(change)
+        spec.verify_attention(**kw)
+
+    return {
+        "owner -1": lambda bad: call(bad, owner=-1),
+        "owner differs": lambda bad: call(bad, owner=0),
+        "owner not an int": lambda bad: call(bad, owner=0.5),
+        "tree mask shape": lambda bad: call(bad, tree_mask=np.ones((2, 3, 4), bool)),
+        "tree mask dtype": lambda bad: call(bad, tree_mask=np.ones((2, 3, 3), int)),
+        "k_tree length": lambda bad: call(bad, k_tree=arrays(t=4)[1]),
+        "kv_len too long": lambda bad: call(bad, kv_len=np.array([2, 9])),
+        "strategy ring": lambda bad: call(bad, strategy="ring"),
+        "q heads": lambda bad: call(bad, q=arrays(hq=8, sq=3)[0]),
+    }
+
+
+# --------------------------------------------------------------------------------------
+# adapters
+# --------------------------------------------------------------------------------------
+def flash_attn_module():
+    sys.modules.setdefault("flash_attn", fake_flash_attn())
+    return importlib.import_module("mpitree.adapters.flash_attn")
+
+
+def flash_attn_cases():
+    def call(bad, **change):
+        q, k, v = (torch.from_numpy(x).transpose(1, 2) for x in arrays())
+        kw = dict(q=q, k_cache=k, v_cache=v, cache_seqlens=torch.tensor([5, 3], dtype=torch.int32))
+        if bad:
+            kw.update(change)
+        flash_attn_module().tree_decode(**kw)
+
+    return {
+        "cache_seqlens shape": lambda bad: call(bad, cache_seqlens=torch.tensor([5])),
+        "block_table shape": lambda bad: call(
+            bad, block_table=torch.zeros(3, 1, dtype=torch.int32)
+        ),
+        "strategy ring": lambda bad: call(bad, strategy="ring"),
+        "dtype": lambda bad: call(bad, q=torch.zeros(2, 1, 4, 8, dtype=torch.float64)),
+        "mpitree layout": lambda bad: call(bad, q=torch.zeros(2, 4, 1, 8)),
+        "scale NaN": lambda bad: call(bad, softmax_scale=float("nan")),
+    }
+
+
+_MODEL = {}
+
+
+def model():
+    if "llama" not in _MODEL:
+        _MODEL["llama"] = tiny_llama()
+    m = _MODEL["llama"]
+    m.set_attn_implementation("mpitree")
+    return m
+
+
+def cache_init_cases():
+    def call(bad, **change):
+        kw = dict(block_size=4)
+        if bad:
+            kw.update(change)
+        mtt.ShardedCache(**kw)
+
+    return {
+        "world size": lambda bad: call(bad, world_size=99),
+        "placement": lambda bad: call(bad, placement="everywhere"),
+        "placement differs": lambda bad: call(bad, placement="last"),
+        "block size": lambda bad: call(bad, block_size=0),
+        "block size bool": lambda bad: call(bad, block_size=True),
+        "strategy": lambda bad: call(bad, strategy="gossip"),
+        "deterministic 'no'": lambda bad: call(bad, deterministic="no"),
+    }
+
+
+def filled_cache(batch=2, length=9):
+    m = model()
+    ids, _ = prompt(length, False, batch)
+    cache = mtt.ShardedCache(m.config, block_size=4)
+    with torch.no_grad():
+        m(ids, past_key_values=cache)
+    return m, ids, cache
+
+
+def attention_cases():
+    def step(bad, batch=None, tokens=1, mask=None, everywhere=False):
+        m, ids, cache = filled_cache()
+        nxt = ids[:, :tokens]
+        if bad or everywhere:
+            if batch is not None:
+                nxt = ids[:batch, :tokens]
+        kwargs = {}
+        if mask is not None:
+            good = torch.ones(2, 1, tokens, ids.shape[1] + tokens, dtype=torch.bool)
+            kwargs["attention_mask"] = mask if bad else good
+        with torch.no_grad():
+            m(nxt, past_key_values=cache, **kwargs)
+
+    return {
+        "batch change on one rank": lambda bad: step(bad, batch=1),
+        "batch change on every rank": lambda bad: step(bad, batch=1, everywhere=True),
+        "step length differs": lambda bad: step(bad, tokens=2 if bad else 1),
+        "4-D mask shape": lambda bad: step(bad, mask=torch.ones(2, 1, 1, 3, dtype=torch.bool)),
+        "4-D mask additive bias": lambda bad: step(bad, mask=torch.full((2, 1, 1, 10), 0.5)),
+        "strategy set on one rank": lambda bad: strategy_changed(bad),
+        "beam search after prefill": lambda bad: beams_after_prefill(bad),
+    }
+
+
+def strategy_changed(bad):
+    m, ids, cache = filled_cache()
+    if bad:
+        cache.strategy = "ring"
+    with torch.no_grad():
+        m(ids[:, :1], past_key_values=cache)
+
+
+def beams_after_prefill(bad):
+    m = model()
+    ids, _ = prompt(9, False)
+    cache = mtt.ShardedCache(m.config, block_size=4)
+    mtt.prefill(m, ids, cache)
+    with torch.no_grad():
+        m.generate(
+            ids, past_key_values=cache, max_new_tokens=2, num_beams=2 if bad else 1, do_sample=False
+        )
+
+
+def prefill_cases():
+    def call(bad, ids=None, mask=None, dirty=False):
+        m = model()
+        good, _ = prompt(9, False)
+        cache = mtt.ShardedCache(m.config, block_size=4)
+        if bad and dirty:
+            with torch.no_grad():
+                m(good[:, :2], past_key_values=cache)
+        mtt.prefill(
+            m, ids if bad and ids is not None else good, cache, attention_mask=mask if bad else None
+        )
+
+    return {
+        "prompt differs": lambda bad: call(bad, ids=prompt(9, False)[0] + 1),
+        "prompt length differs": lambda bad: call(bad, ids=prompt(10, False)[0]),
+        "mask shape": lambda bad: call(bad, mask=torch.ones(2, 3)),
+        "cache not empty": lambda bad: call(bad, dirty=True),
+        "not a cache": lambda bad: not_a_cache(bad),
+    }
+
+
+def not_a_cache(bad):
+    cache = mtt.ShardedCache(model().config, block_size=4)
+    mtt.prefill(model(), prompt(9, False)[0], None if bad else cache)
+
+
+def verify_cases():
+    def call(bad, change):
+        m, _, cache = filled_cache()
+        beam = torch.from_numpy(np.random.default_rng(3).integers(1, 4, (2, 3, 2)))
+        packed = spec.pack(beam)
+        kw = dict(attention_mask=None)
+        if bad:
+            packed, kw = change(packed, kw)
+        mtt.verify(m, cache, packed, **kw)
+
+    def short_mask(packed, kw):
+        packed.mask = packed.mask[:, :-1]
+        return packed, kw
+
+    def bad_padding(packed, kw):
+        return packed, dict(attention_mask=torch.ones(2, 3))
+
+    def numpy_tree(packed, kw):
+        return spec.pack(np.ones((2, 3, 2), np.int64)), kw
+
+    return {
+        "tree mask shape": lambda bad: call(bad, short_mask),
+        "attention mask shape": lambda bad: call(bad, bad_padding),
+        "numpy tree": lambda bad: call(bad, numpy_tree),
+    }
+
+
+CATALOGUE = {
+    "mpitree._plan.tree_decode": tree_decode_cases,
+    "mpitree._plan.DecodePlan.__init__": plan_init_cases,
+    "mpitree._plan.DecodePlan.decode": plan_decode_cases,
+    "mpitree._plan.allreduce_state": allreduce_state_cases,
+    "mpitree.energy.tree_energy": lambda: energy_cases(energy.tree_energy),
+    "mpitree.energy.attention_variance": lambda: energy_cases(energy.attention_variance),
+    "mpitree.spec.verify_attention": verify_attention_cases,
+    "mpitree.adapters.flash_attn.tree_decode": flash_attn_cases,
+    "mpitree.adapters.transformers._cache.ShardedCache.__init__": cache_init_cases,
+    "mpitree.adapters.transformers._attention.attention_interface": attention_cases,
+    "mpitree.adapters.transformers._prefill.prefill": prefill_cases,
+    "mpitree.adapters.transformers._spec.verify": verify_cases,
+}
+# Every communicating entry point of every module; the torch and CuPy adapters
+# re-export the core's (their own functions do not communicate).
+ADAPTERS = ["torch", "cupy", "flash_attn", "transformers"]
+CASES = [(entry, case) for entry, make in CATALOGUE.items() for case in make()]
+
+
+def import_every_adapter(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", sys.modules.get("cupy") or fake_cupy())
+    flash_attn_module()
+    for name in ADAPTERS:
+        importlib.import_module(f"mpitree.adapters.{name}")
+
+
+def test_catalogue_covers_every_entry_point(monkeypatch):
+    import_every_adapter(monkeypatch)
+    missing = sorted(set(ENTRY_POINTS) - set(CATALOGUE))
+    assert not missing, f"entry points without bad-input cases in the catalogue: {missing}"
+    stale = sorted(set(CATALOGUE) - set(ENTRY_POINTS))
+    assert not stale, f"catalogue entries that are not entry points: {stale}"
+    assert all(len(make()) >= 3 for make in CATALOGUE.values())
+
+
+# Modules allowed to call MPI: the guard, the strategies (data collectives behind
+# the merger), the node split, the private communicator, and the command line.
+MPI_MODULES = {"_guard.py", "_topology.py", "_runtime.py", "_merger.py"}
+MPI_CALLS = {
+    "Allreduce", "Allgather", "Allgatherv", "Bcast", "Reduce", "Reduce_scatter", "Barrier",
+    "Isend", "Irecv", "Send", "Recv", "Allreduce_init", "Split", "Split_type", "Dup",
+    "allgather", "allreduce", "bcast", "gather", "Start",
+}  # fmt: skip
+
+
+def test_only_the_guarded_modules_call_mpi():
+    """Static check: no module outside the guard and the strategies calls MPI itself."""
+    offenders = []
+    for path in [*(ROOT / "mpitree").rglob("*.py"), *(ROOT / "adapters").rglob("*.py")]:
+        rel = path.relative_to(ROOT)
+        if path.name in MPI_MODULES or rel.parts[1] in ("_strategies", "cli"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr in MPI_CALLS:
+                    offenders.append(f"{rel}:{node.lineno} .{node.func.attr}(...)")
+    assert not offenders, offenders
+
+
+def check_comm_still_works():
+    """After a failed call, a correct collective on the same communicator is exact."""
+    comm = world()
+    prob = make_problem(11, [3 + r for r in range(comm.size)])
+    k, v, _ = prob.shard(comm.rank)
+    out = mpitree.tree_decode(prob.q, k, v)
+    assert_allclose(out, prob.reference()[0], atol=2e-5, rtol=0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("entry, case", CASES, ids=[f"{e.split('.')[-1]}-{c}" for e, c in CASES])
+def test_bad_input_on_one_rank_raises_on_every_rank(entry, case, monkeypatch):
+    import_every_adapter(monkeypatch)
+    rank = world().rank
+    with pytest.raises(Exception) as info:
+        CATALOGUE[entry]()[case](rank == bad_rank())
+    err = info.value
+    assert isinstance(err, (TypeError, ValueError, RuntimeError)), repr(err)
+    assert not isinstance(err, mpitree_mpi_exception()), repr(err)
+    message = str(err)
+    if isinstance(err, mpitree.RankError):
+        assert err.rank == bad_rank() and err.reason, message
+    assert message and len(message) < 2000
+    check_comm_still_works()
+
+
+def mpitree_mpi_exception():
+    from mpi4py import MPI
+
+    return MPI.Exception
