@@ -112,10 +112,23 @@ def raise_failure(comm, error):
     raise RankError(failed[0], reasons[failed[0]])
 
 
+_CODES: dict = {}
+
+
 def _code(value):
     """Return a process-independent 56-bit code of a signature value (type included)."""
-    data = repr((type(value).__name__, value)).encode()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+    key = (type(value), value.hex() if isinstance(value, float) else value)  # -0.0 != 0.0
+    try:
+        return _CODES[key]
+    except (KeyError, TypeError):
+        data = repr((type(value).__name__, value)).encode()
+        code = int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+        if len(_CODES) < 4096:
+            try:
+                _CODES[key] = code
+            except TypeError:  # unhashable values are coded afresh each time
+                pass
+        return code
 
 
 @dataclass
@@ -180,20 +193,19 @@ def agree(comm, prepare):
         native = int(native_op_available())
     except Exception as exc:  # every local failure becomes this rank's verdict
         error = exc
-    buf = np.zeros(2 + 2 * MAX_FIELDS, dtype=np.int64)
-    buf[0] = rank if error is not None else size
-    buf[1] = native
-    buf[2 : 2 + len(codes)] = codes
-    buf[2 + MAX_FIELDS : 2 + MAX_FIELDS + len(codes)] = [-c for c in codes]
+    pad = [0] * (MAX_FIELDS - len(codes))
+    verdict = rank if error is not None else size
+    buf = np.array([verdict, native, *codes, *pad, *(-c for c in codes), *pad], dtype=np.int64)
     if size > 1:
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MIN)
-    if buf[0] < size:
+    values = buf.tolist()
+    if values[0] < size:
         raise_failure(comm, error)
-    lo, hi = buf[2 : 2 + MAX_FIELDS], -buf[2 + MAX_FIELDS :]
-    differ = np.flatnonzero(lo != hi)
-    if differ.size:
+    lo, hi = values[2 : 2 + MAX_FIELDS], values[2 + MAX_FIELDS :]
+    differ = [i for i in range(MAX_FIELDS) if lo[i] != -hi[i]]
+    if differ:
         _raise_disagreement(comm, fields, differ)
-    call.native = bool(buf[1])
+    call.native = bool(values[1])
     return call
 
 

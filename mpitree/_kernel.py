@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
 
 import numpy as np
@@ -11,6 +12,8 @@ import numpy as np
 from ._library import AttnArgs, native_lib
 
 KERNEL_ENV = "MPITREE_LOCAL_KERNEL"  # "native" (default when built) or "numpy"
+_local = threading.local()  # per-thread scratch buffer of the kernel
+_I64x3 = ctypes.c_int64 * 3
 
 
 def _lib():
@@ -18,6 +21,14 @@ def _lib():
     if os.environ.get(KERNEL_ENV, "native") == "numpy":
         return None
     return native_lib()
+
+
+def _scratch(n):
+    """Return this thread's float32 scratch of at least ``n`` values (grown, never shrunk)."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.size < n:
+        buf = _local.scratch = np.empty(max(n, 1 << 16), np.float32)
+    return buf
 
 
 def native_kernel_available():
@@ -34,12 +45,12 @@ def kernel_isa():
 def _element_strides(x):
     """Batch, head and key strides of a (B, H, T, D) array in elements, or None if not whole."""
     if x.size == 0:
-        return [0, 0, 0]
-    if x.strides[3] != x.itemsize and x.shape[3] > 1:
-        return None
-    if any(s % x.itemsize for s in x.strides[:3]):
+        return (0, 0, 0)
+    sb, sh, st, sd = x.strides
+    size = x.itemsize
+    if (sd != size and x.shape[3] > 1) or sb % size or sh % size or st % size:
         return None  # e.g. a field of a structured array: not addressable in elements
-    return [s // x.itemsize for s in x.strides[:3]]
+    return (sb // size, sh // size, st // size)
 
 
 def attend_native(q, k, v, scale, lens, vis, out):
@@ -59,17 +70,19 @@ def attend_native(q, k, v, scale, lens, vis, out):
         v_strides = _element_strides(v)
     q = np.ascontiguousarray(q, dtype=np.float32)
     b, hq, sq, dim = q.shape
-    args = AttnArgs(b, hq, k.shape[1], sq, dim, (ctypes.c_int64 * 3)(*k_strides))
-    args.v_strides = (ctypes.c_int64 * 3)(*v_strides)
-    args.t, args.scale = k.shape[2], scale
+    lens_ptr = vis_ptr = vis_heads = 0
     if lens is not None:
         lens = np.ascontiguousarray(lens, dtype=np.int64)
-        args.lens = lens.ctypes.data
+        lens_ptr = lens.ctypes.data
     if vis is not None:
         vis = np.ascontiguousarray(vis)
-        args.vis = vis.ctypes.data
-        args.vis_heads = vis.shape[1]
-    scratch = np.empty(lib.mpitree_attend_scratch(hq // k.shape[1] * sq, dim), np.float32)
+        vis_ptr, vis_heads = vis.ctypes.data, vis.shape[1]
+    hkv = k.shape[1]
+    args = AttnArgs(
+        b, hq, hkv, sq, dim, _I64x3(*k_strides), _I64x3(*v_strides), lens_ptr, k.shape[2]
+    )
+    args.vis, args.vis_heads, args.scale = vis_ptr, vis_heads, scale
+    scratch = _scratch(lib.mpitree_attend_scratch(hq // hkv * sq, dim))
     lib.mpitree_attend_f32(
         ctypes.byref(args),
         q.ctypes.data,

@@ -7,7 +7,7 @@ import numpy as np
 from ._checks import check_masking, check_qkv
 from ._kernel import attend_native
 from ._masks import keep_mask, visibility
-from ._options import resolve_scale
+from ._options import dtype_name, resolve_scale
 from ._state import State
 
 # Score elements per block of query rows: a long prompt never materialises its whole
@@ -110,13 +110,13 @@ def attend(ns, q, k, v, scale, lens, vis, out):
 
 def _attend_block(ns, q, k, v, scale, lens, vis, out):
     """:func:`attend` for one block of query rows."""
-    if ns.on_host(q) and str(k.dtype).endswith("float32") and out.dtype == np.float32:
+    if ns.on_host(q) and dtype_name(k.dtype) == "float32" and out.dtype == np.float32:
         host = [ns.to_numpy(x) for x in (q, k, v)]
         lens_h = None if lens is None else ns.to_numpy(lens)
         vis_h = None if vis is None else ns.to_numpy(vis)
         if attend_native(*host, scale, lens_h, vis_h, out):
             return
-    rec = state_records(ns, q, k, v, scale, lens, vis, str(out.dtype))
+    rec = state_records(ns, q, k, v, scale, lens, vis, dtype_name(out.dtype))
     if ns.name == "numpy":
         out[...] = rec
     else:

@@ -14,6 +14,8 @@ import sys
 
 import numpy as np
 
+from ._options import dtype_name
+
 
 def _torch_module(x):
     """Return torch if ``x`` is a torch tensor, else None."""
@@ -59,7 +61,7 @@ class NumpyLike:
 
     def astype(self, x, name):
         """``x`` as dtype ``name`` (no copy when it already is)."""
-        return x if str(x.dtype) == name else x.astype(self.dtype(name))
+        return x if dtype_name(x.dtype) == name else x.astype(self.dtype(name))
 
     # creation -----------------------------------------------------------------------
     def asarray(self, x, like=None):
@@ -227,7 +229,7 @@ class Torch:
 
     def astype(self, x, name):
         """``x`` as dtype ``name`` (no copy when it already is)."""
-        return x.to(self.dtype(name))
+        return x if dtype_name(x.dtype) == name else x.to(self.dtype(name))
 
     def asarray(self, x, like=None):
         """``x`` as a tensor on ``like``'s device."""

@@ -17,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ._library import load_error, native_lib
+from ._options import dtype_name
 from ._state import combine_records
 
 _lock = threading.Lock()
@@ -72,14 +73,13 @@ def record_op(dtype, width):
         When no op can be created: all native slots for this dtype are bound to
         other widths, or MPI refuses another Python op.
     """
-    dtype = np.dtype(dtype)
-    key = (dtype.name, int(width))
+    key = (dtype_name(dtype), int(width))
     found = _ops.get(key)
     if found is not None:
         return found
     with _lock:
         if key not in _ops:
-            _ops[key] = _create(dtype, int(width))
+            _ops[key] = _create(np.dtype(key[0]), key[1])
         return _ops[key]
 
 

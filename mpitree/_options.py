@@ -14,9 +14,20 @@ NODE_SIZE_ENV = "MPITREE_NODE_SIZE"
 _MAX_NODE_SIZE = 1 << 30
 
 
+_NAMES: dict = {}  # dtype object -> name: str() of a numpy dtype costs microseconds
+
+
 def dtype_name(dtype) -> str:
     """Return the plain name of a numpy, torch, CuPy or JAX dtype ("float32", "bfloat16")."""
-    return str(dtype).rsplit(".", 1)[-1]
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):
+        name = np.dtype(dtype).name if isinstance(dtype, type) else str(dtype).rsplit(".", 1)[-1]
+        try:
+            _NAMES[dtype] = name
+        except TypeError:  # unhashable
+            pass
+        return name
 
 
 def acc_name(dtype) -> str:

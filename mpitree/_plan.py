@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ from ._local import attend
 from ._masks import visibility
 from ._merger import Merger, merger_for
 from ._namespace import NumpyLike
-from ._options import Options
+from ._options import Options, dtype_name, resolve_scale
 from ._runtime import limit_blas_threads
 from ._state import State, finish
 from ._strategies import op_needed, resolve
@@ -70,17 +71,30 @@ class Attention:
         attend(_HOST, q, k, v, self.scale, lens, vis, self._rows(out))
 
 
-def prepare_attention(q, k, v, kv_len, q_pos, k_pos, mask, options):
-    """Local checks of one attention call; return (Problem, Options, Attention, signature)."""
+def local_attention(q, k, v, kv_len, q_pos, k_pos, mask, scale):
+    """Check one rank's attention arguments; return its (Problem, Attention)."""
     ns, problem, t = check_qkv(q, k, v)
     kv_len, q_pos, k_pos, mask = check_masking(ns, problem, t, kv_len, q_pos, k_pos, mask)
-    options = Options.resolve(problem.head_dim, **options)
     lens, vis = visibility(ns, problem.batch, problem.q_len, t, kv_len, q_pos, k_pos, mask)
+    scale = resolve_scale(scale, problem.head_dim)
+    return problem, Attention(ns, q, k, v, scale, lens, vis)
+
+
+def validated(step, signature):
+    """Validate mode: check q, k, v are finite; add q's checksum to the signature."""
+    check_finite(step.ns, {"q": step.q, "k": step.k, "v": step.v})
+    signature["q (checksum)"] = checksum(step.ns, step.q)
+    return signature
+
+
+def prepare_attention(q, k, v, kv_len, q_pos, k_pos, mask, options):
+    """Local checks of one attention call; return (Problem, Options, Attention, signature)."""
+    problem, step = local_attention(q, k, v, kv_len, q_pos, k_pos, mask, options.get("scale"))
+    options = Options.resolve(problem.head_dim, **options)
     signature = {**problem.signature(), **options.signature()}
     if options.validate:
-        check_finite(ns, {"q": q, "k": k, "v": v})
-        signature["q (checksum)"] = checksum(ns, q)
-    return problem, options, Attention(ns, q, k, v, options.scale, lens, vis), signature
+        validated(step, signature)
+    return problem, options, step, signature
 
 
 def _staged(x):
@@ -221,23 +235,25 @@ class DecodePlan:
             On every rank when any rank's inputs are invalid or do not match the
             plan; the plan stays usable.
         """
-        masking = dict(kv_len=kv_len, q_pos=q_pos, k_pos=k_pos, mask=mask)
+        args = (q, k, v, kv_len, q_pos, k_pos, mask)
         if self.options.validate:
-            step = agree(self.comm, lambda: self._prepare(q, k, v, masking)).payload
+            step = agree(self.comm, lambda: self._validated(args)).payload
         else:
-            step = _LazyStep(self, q, k, v, masking)
+            step = _LazyStep(self, args)
         records = self._merger.merge(step)
         return finish(records.reshape(*self.problem.row_shape, -1), q, return_lse)
 
-    def _prepare(self, q, k, v, masking):
-        """Validate one step's inputs against the plan; return its :class:`Call`."""
-        opts = self.options
-        given = dict(strategy=opts.strategy, scale=opts.scale, deterministic=opts.deterministic)
-        given.update(node_size=opts.node_size, validate=opts.validate)
-        problem, _, step, sig = prepare_attention(q, k, v, **masking, options=given)
+    def _step(self, args):
+        """Check one step's inputs against the plan; return its :class:`Attention`."""
+        problem, step = local_attention(*args, self.options.scale)
         if problem != self.problem:
             raise ValueError(f"inputs {problem} do not match the plan's {self.problem}")
-        return Call(sig, step)
+        return step
+
+    def _validated(self, args):
+        """Validate mode: the step's :class:`Call`, with finiteness and q's checksum."""
+        step = self._step(args)
+        return Call(validated(step, {**self.problem.signature(), **self.options.signature()}), step)
 
     def free(self):
         """Release the plan's MPI request (buffers go with the object)."""
@@ -258,13 +274,13 @@ class DecodePlan:
 class _LazyStep:
     """A plan step whose local checks run inside the merge's guard (no extra collective)."""
 
-    def __init__(self, plan, q, k, v, masking):
-        self.plan, self.args, self.masking, self.step = plan, (q, k, v), masking, None
+    def __init__(self, plan, args):
+        self.plan, self.args, self.step = plan, args, None
         self.q_len = plan.problem.q_len
 
     def fill(self, records):
         """Validate against the plan, then compute this shard's state."""
-        self.step = self.plan._prepare(*self.args, self.masking).payload
+        self.step = self.plan._step(self.args)
         self.step.fill(records)
 
     def block(self):
@@ -413,7 +429,7 @@ def allreduce_state(state, comm=None, strategy="auto", *, deterministic=False, n
         opts = Options.resolve(state.head_dim, strategy, None, deterministic, node_size)
         if opts.strategy == "ring":
             raise ValueError("strategy 'ring' moves K/V; use tree_decode for it")
-        acc = state.records.dtype.name
+        acc = dtype_name(state.records.dtype)
         sig = {"rows": tuple(state.shape), "head_dim": state.head_dim, "dtype": acc}
         sig.update(opts.signature())
         return Call(sig, opts, op=op_needed(opts.strategy, opts.deterministic, acc, state.head_dim))
@@ -421,10 +437,9 @@ def allreduce_state(state, comm=None, strategy="auto", *, deterministic=False, n
     call = agree(comm, prepare)
     opts = call.payload
     chosen = resolve(opts.strategy, comm, call.native, opts.node_size, opts.deterministic)
-    rows = int(np.prod(state.shape))
-    merger = merger_for(
-        comm, rows, state.head_dim, state.records.dtype.name, chosen, opts.node_size
-    )
+    rows = math.prod(state.shape)
+    acc = call.signature["dtype"]
+    merger = merger_for(comm, rows, state.head_dim, acc, chosen, opts.node_size)
 
     def fill(records):
         records[...] = state.records.reshape(rows, -1)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from ._namespace import namespace
+from ._options import dtype_name
 
 _LN2 = math.log(2.0)
 
@@ -50,8 +51,7 @@ def empty_records(records):
 def output_of(records, dtype=None):
     """Return ``n / d`` of host records, ``(..., D)``; 0 for empty rows, NaN stays NaN."""
     d = records[..., 1:2]
-    out = np.zeros(records[..., 2:].shape, dtype=records.dtype)
-    np.divide(records[..., 2:], d, out=out, where=d != 0)
+    out = records[..., 2:] / np.where(d == 0, 1, d)  # an empty row has n = 0
     return out if dtype is None else out.astype(dtype, copy=False)
 
 
@@ -75,7 +75,7 @@ def finish(records, like, return_lse=False):
     lse ``(B, Hq, Sq)``, float32, natural log). The records are not aliased.
     """
     ns = namespace(like)
-    name = str(like.dtype).rsplit(".", 1)[-1]
+    name = dtype_name(like.dtype)
     host_dtype = None if name == "bfloat16" else np.dtype(name)
     out = output_of(records, host_dtype if ns.name == "numpy" else None)
     if ns.name != "numpy":
