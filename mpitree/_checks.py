@@ -77,13 +77,13 @@ def _shape(x):
 
 def check_qkv(q, k, v, *, names=("q", "k", "v")):
     """Validate q ``(B, Hq, Sq, D)`` and k, v ``(B, Hkv, T, D)``; return (namespace, Problem, T)."""
-    for name, x in zip(names, (q, k, v)):
+    for name, x in zip(names, (q, k, v), strict=False):
         if not is_array(x):
             raise TypeError(
                 f"{name} must be a numpy, torch, CuPy or JAX array, got {type(x).__name__}"
             )
     ns = namespace(q, k, v)
-    for name, x in zip(names, (q, k, v)):
+    for name, x in zip(names, (q, k, v), strict=False):
         if x.ndim != 4:
             raise ValueError(f"{name} must have 4 dimensions, got shape {_shape(x)}")
         if ns.name == "numpy" and x.size and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
@@ -153,7 +153,7 @@ def check_masking(ns, problem, t, kv_len=None, q_pos=None, k_pos=None, mask=None
         mask = ns.asarray(mask) if namespace(mask).name != ns.name else mask
         full = (b, problem.q_heads, sq, t)
         padded = (1,) * (4 - mask.ndim) + _shape(mask)
-        if mask.ndim > 4 or any(s not in (1, f) for s, f in zip(padded, full)):
+        if mask.ndim > 4 or any(s not in (1, f) for s, f in zip(padded, full, strict=False)):
             raise ValueError(f"mask of shape {_shape(mask)} is not broadcastable to {full}")
         if padded[1] not in (1, problem.q_heads):
             raise ValueError(f"mask heads must be 1 or Hq={problem.q_heads}, got {padded[1]}")

@@ -7,6 +7,7 @@ import numpy as np
 from ._checks import check_masking, check_qkv
 from ._kernel import attend_native
 from ._masks import keep_mask, visibility
+from ._namespace import Array
 from ._options import dtype_name, resolve_scale
 from ._state import State
 
@@ -123,7 +124,17 @@ def _attend_block(ns, q, k, v, scale, lens, vis, out):
         out[...] = ns.to_numpy(rec)
 
 
-def local_state(q, k, v, *, scale=None, kv_len=None, q_pos=None, k_pos=None, mask=None):
+def local_state(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    scale: float | None = None,
+    kv_len: Array | None = None,
+    q_pos: Array | None = None,
+    k_pos: Array | None = None,
+    mask: Array | None = None,
+) -> State:
     """Compute this shard's partial attention state (no communication).
 
     Parameters

@@ -11,10 +11,13 @@ frameworks, and writes everything else with operators shared by all four.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import numpy as np
 
 from ._options import dtype_name
+
+Array = Any  # a numpy.ndarray, torch.Tensor, cupy.ndarray or jax.Array (for type hints)
 
 
 def _torch_module(x):

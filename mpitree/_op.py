@@ -26,7 +26,7 @@ _next_slot = {32: 0, 64: 0}
 _warned = False
 
 
-def native_op_available():
+def native_op_available() -> bool:
     """Return whether the compiled MPI combine op is in use.
 
     Returns

@@ -5,15 +5,17 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from mpi4py import MPI
 
 from ._checks import Problem, check_finite, check_masking, check_qkv
 from ._guard import Call, agree, check_comm, entry_point
 from ._local import attend
 from ._masks import visibility
 from ._merger import Merger, merger_for
-from ._namespace import NumpyLike
+from ._namespace import Array, NumpyLike
 from ._options import Options, dtype_name, resolve_scale
 from ._runtime import limit_blas_threads
 from ._state import State, finish
@@ -153,20 +155,20 @@ class DecodePlan:
     @entry_point
     def __init__(
         self,
-        batch,
-        q_heads,
-        kv_heads,
-        head_dim,
+        batch: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
         *,
-        q_len=1,
-        dtype=np.float32,
-        comm=None,
-        scale=None,
-        strategy="auto",
-        node_size=None,
-        deterministic=False,
-        validate=False,
-    ):
+        q_len: int = 1,
+        dtype: Any = np.float32,
+        comm: MPI.Intracomm | None = None,
+        scale: float | None = None,
+        strategy: str = "auto",
+        node_size: int | None = None,
+        deterministic: bool = False,
+        validate: bool = False,
+    ) -> None:
         comm = check_comm(comm)
 
         def prepare():
@@ -196,17 +198,28 @@ class DecodePlan:
         )
 
     @property
-    def scale(self):
+    def scale(self) -> float:
         """The logit scale every rank agreed on."""
         return self.options.scale
 
     @property
-    def node_size(self):
+    def node_size(self) -> int:
         """The virtual node size (0: real nodes) the plan's merges run on."""
         return self.options.node_size
 
     @entry_point
-    def decode(self, q, k, v, *, kv_len=None, q_pos=None, k_pos=None, mask=None, return_lse=False):
+    def decode(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        *,
+        kv_len: Array | None = None,
+        q_pos: Array | None = None,
+        k_pos: Array | None = None,
+        mask: Array | None = None,
+        return_lse: bool = False,
+    ) -> Array | tuple[Array, Array]:
         """Run one decode step; collective over the plan's communicator.
 
         Parameters
@@ -255,7 +268,7 @@ class DecodePlan:
         step = self._step(args)
         return Call(validated(step, {**self.problem.signature(), **self.options.signature()}), step)
 
-    def free(self):
+    def free(self) -> None:
         """Release the plan's MPI request (buffers go with the object)."""
         self._merger.free()
 
@@ -294,22 +307,22 @@ class _LazyStep:
 
 @entry_point
 def tree_decode(
-    q,
-    k,
-    v,
-    comm=None,
+    q: Array,
+    k: Array,
+    v: Array,
+    comm: MPI.Intracomm | None = None,
     *,
-    scale=None,
-    kv_len=None,
-    q_pos=None,
-    k_pos=None,
-    mask=None,
-    strategy="auto",
-    return_lse=False,
-    deterministic=False,
-    validate=False,
-    node_size=None,
-):
+    scale: float | None = None,
+    kv_len: Array | None = None,
+    q_pos: Array | None = None,
+    k_pos: Array | None = None,
+    mask: Array | None = None,
+    strategy: str = "auto",
+    return_lse: bool = False,
+    deterministic: bool = False,
+    validate: bool = False,
+    node_size: int | None = None,
+) -> Array | tuple[Array, Array]:
     """Exact attention of replicated queries over a KV cache sharded along the sequence.
 
     Collective over ``comm``: every rank passes the same ``q`` and its own shard of
@@ -402,7 +415,14 @@ def tree_decode(
 
 
 @entry_point
-def allreduce_state(state, comm=None, strategy="auto", *, deterministic=False, node_size=None):
+def allreduce_state(
+    state: State,
+    comm: MPI.Intracomm | None = None,
+    strategy: str = "auto",
+    *,
+    deterministic: bool = False,
+    node_size: int | None = None,
+) -> State:
     """Merge a :class:`State` across ranks; every rank gets the merged state.
 
     Parameters

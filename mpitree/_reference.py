@@ -1,10 +1,18 @@
 """Single-process float64 reference attention: naive, independent of the kernels."""
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 
 @np.errstate(invalid="ignore", over="ignore")
-def reference_attention(q, k, v, *, scale=None, visible=None):
+def reference_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    scale: float | None = None,
+    visible: ArrayLike | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Single-process float64 attention over a whole (unsharded) KV cache.
 
     A deliberately naive implementation (one query head at a time, explicit

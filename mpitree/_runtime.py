@@ -12,7 +12,7 @@ _default_comm = None
 _blas_threads = None  # threads set so far in this process, or None
 
 
-def default_comm():
+def default_comm() -> MPI.Intracomm:
     """Return mpitree's private duplicate of ``COMM_WORLD`` (created on first use).
 
     Library traffic on it never matches the user's own messages on ``COMM_WORLD``.
@@ -38,7 +38,7 @@ def _free_default_comm():
     _default_comm = None
 
 
-def set_blas_threads(n):
+def set_blas_threads(n: int) -> None:
     """Limit the BLAS threads this process uses for local attention.
 
     By default mpitree divides the node's cores among the ranks sharing it (at

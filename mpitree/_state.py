@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -103,7 +104,7 @@ class State:
 
     __slots__ = ("records",)
 
-    def __init__(self, records):
+    def __init__(self, records: np.ndarray) -> None:
         if not isinstance(records, np.ndarray):
             raise TypeError(f"State records must be a numpy array, got {type(records).__name__}")
         if records.dtype not in (np.float32, np.float64):
@@ -113,7 +114,7 @@ class State:
         self.records = records
 
     @classmethod
-    def empty(cls, shape, head_dim, dtype=np.float32):
+    def empty(cls, shape: tuple[int, ...], head_dim: int, dtype: Any = np.float32) -> State:
         """Return the identity state: ``m = -inf``, ``d = 0``, ``n = 0``.
 
         Parameters
@@ -130,7 +131,7 @@ class State:
         return cls(rec)
 
     @classmethod
-    def from_lse(cls, out, lse, *, base="e"):
+    def from_lse(cls, out: np.ndarray, lse: np.ndarray, *, base: str | int = "e") -> State:
         """Build a state from an attention output and its log-sum-exp.
 
         Conventions for a row that saw no key differ: mpitree and FlashInfer write
@@ -172,31 +173,31 @@ class State:
         return cls(rec)
 
     @property
-    def m(self):
+    def m(self) -> np.ndarray:
         """Running max of the logits, ``(...)``."""
         return self.records[..., 0]
 
     @property
-    def d(self):
+    def d(self) -> np.ndarray:
         """Softmax denominator relative to ``m``, ``(...)``."""
         return self.records[..., 1]
 
     @property
-    def n(self):
+    def n(self) -> np.ndarray:
         """Softmax numerator relative to ``m``, ``(..., D)``."""
         return self.records[..., 2:]
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, ...]:
         """Row shape (records without the last axis)."""
         return self.records.shape[:-1]
 
     @property
-    def head_dim(self):
+    def head_dim(self) -> int:
         """``D``."""
         return self.records.shape[-1] - 2
 
-    def output(self, dtype=None):
+    def output(self, dtype: Any = None) -> np.ndarray:
         """Return the attention output ``n / d``, ``(..., D)``; 0 for empty rows, NaN stays NaN.
 
         Parameters
@@ -206,7 +207,7 @@ class State:
         """
         return output_of(self.records, dtype)
 
-    def lse(self, *, base="e", dtype=np.float32):
+    def lse(self, *, base: str | int = "e", dtype: Any = np.float32) -> np.ndarray:
         """Return the log-sum-exp ``m + log(d)``, ``(...)``; -inf for empty rows.
 
         Parameters
@@ -222,7 +223,7 @@ class State:
         return f"State(shape={self.shape}, head_dim={self.head_dim}, dtype={self.records.dtype})"
 
 
-def combine(a, b):
+def combine(a: State, b: State) -> State:
     """Merge two states of the same rows: associative, commutative, empty is the identity.
 
     Parameters

@@ -28,7 +28,7 @@ from mpi4py import MPI
 from ._guard import Call, agree, check_comm, entry_point, flagged_allreduce
 from ._local import grouped_keep, quiet, weighted_values
 from ._merger import merger_for
-from ._namespace import NumpyLike, is_array, namespace
+from ._namespace import Array, NumpyLike, is_array, namespace
 from ._plan import prepare_attention
 from ._state import lse_of, output_of
 from ._strategies import resolve
@@ -38,7 +38,17 @@ __all__ = ["attention_variance", "free_energy", "tree_energy"]
 _HOST = NumpyLike("numpy", np)
 
 
-def free_energy(q, k, v, zeta=None, *, scale=None, causal=False, mask=None, shift="max"):
+def free_energy(
+    q: Array,
+    k: Array,
+    v: Array,
+    zeta: Array | None = None,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    mask: Array | None = None,
+    shift: str | float | Array = "max",
+) -> Array:
     """Per-row energies ``F = log sum_a exp(scale q.k_a + zeta.v_a)`` (natural log).
 
     Parameters
@@ -174,19 +184,19 @@ def _merge_records(comm, call, problem, width, fill):
 
 @entry_point
 def tree_energy(
-    q,
-    k,
-    v,
-    comm=None,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    comm: MPI.Intracomm | None = None,
     *,
-    zeta=None,
-    scale=None,
-    kv_len=None,
-    q_pos=None,
-    k_pos=None,
-    mask=None,
-    algorithm="fused",
-):
+    zeta: np.ndarray | None = None,
+    scale: float | None = None,
+    kv_len: np.ndarray | None = None,
+    q_pos: np.ndarray | None = None,
+    k_pos: np.ndarray | None = None,
+    mask: np.ndarray | None = None,
+    algorithm: str = "fused",
+) -> tuple[np.ndarray, np.ndarray]:
     """Compute the energy and its gradient (attention) over a KV cache sharded across ranks.
 
     Collective over ``comm``.
@@ -268,8 +278,18 @@ def _paper(comm, step, zeta, acc, hq):
 
 @entry_point
 def attention_variance(
-    q, k, v, comm=None, *, scale=None, kv_len=None, q_pos=None, k_pos=None, mask=None, full=False
-):
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    comm: MPI.Intracomm | None = None,
+    *,
+    scale: float | None = None,
+    kv_len: np.ndarray | None = None,
+    q_pos: np.ndarray | None = None,
+    k_pos: np.ndarray | None = None,
+    mask: np.ndarray | None = None,
+    full: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
     """Compute attention and the covariance of v under its weights, in one all-reduce.
 
     The second cumulant ``d2F/dzeta2`` at ``zeta = 0`` (the paper's eqs. 11-12):

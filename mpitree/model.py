@@ -289,7 +289,7 @@ def calibrate(bench, *, ranks_per_node=None, name="calibrated from mpitree bench
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else my / mx
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=False)) / var if var else my / mx
     overhead = max(my - slope * mx, 0.0)
     device = Device("calibrated local kernel", 1.0 / slope, overhead)
     ring_extra = [

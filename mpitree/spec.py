@@ -23,11 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from mpi4py import MPI
 
 from ._checks import check_qkv
 from ._guard import Call, agree, check_comm, entry_point
 from ._merger import merger_for
-from ._namespace import is_array, namespace
+from ._namespace import Array, is_array, namespace
 from ._plan import prepare_attention
 from ._state import State, combine_records, finish
 from ._strategies import op_needed, resolve
@@ -49,7 +50,7 @@ def _check_beam(beam):
     return ns
 
 
-def dedup_prefix(beam):
+def dedup_prefix(beam: Array) -> Array:
     """For every token, the lowest candidate index that shares its whole prefix.
 
     Parameters
@@ -112,7 +113,7 @@ class Packed:
     position_ids: object = None
 
 
-def pack(beam, padding_mask=None):
+def pack(beam: Array, padding_mask: Array | None = None) -> Packed:
     """Deduplicate a beam's common prefixes into one sequence with a tree mask.
 
     Parameters
@@ -165,7 +166,7 @@ def pack(beam, padding_mask=None):
     return Packed(tokens, token_indices, mask, offsets, unpack_map, valid, position_ids)
 
 
-def unpack(x_packed, unpack_map):
+def unpack(x_packed: Array, unpack_map: Array) -> Array:
     """Scatter per-packed-token values back to the beam's layout.
 
     Parameters
@@ -186,7 +187,9 @@ def unpack(x_packed, unpack_map):
     return x_packed[batch, unpack_map.reshape(b, m * c)].reshape(b, m, c, *x_packed.shape[2:])
 
 
-def greedy_accept(beam, packed, logits, context_logits=None):
+def greedy_accept(
+    beam: Array, packed: Packed, logits: Array, context_logits: Array | None = None
+) -> tuple[Array, Array, Array]:
     """Greedy verification: the candidate whose longest prefix matches the target's argmax.
 
     Parameters
@@ -231,20 +234,20 @@ def greedy_accept(beam, packed, logits, context_logits=None):
 
 @entry_point
 def verify_attention(
-    q,
-    k_context,
-    v_context,
-    k_tree,
-    v_tree,
-    tree_mask,
-    comm=None,
+    q: Array,
+    k_context: Array,
+    v_context: Array,
+    k_tree: Array,
+    v_tree: Array,
+    tree_mask: Array,
+    comm: MPI.Intracomm | None = None,
     *,
-    scale=None,
-    kv_len=None,
-    owner=None,
-    strategy="auto",
-    return_lse=False,
-):
+    scale: float | None = None,
+    kv_len: Array | None = None,
+    owner: int | None = None,
+    strategy: str = "auto",
+    return_lse: bool = False,
+) -> Array | tuple[Array, Array]:
     """Attention of packed draft tokens over a sharded context plus their tree, in one reduction.
 
     Every packed query sees the whole context (sharded across ranks) and, inside the

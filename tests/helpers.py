@@ -46,7 +46,7 @@ class Problem:
         b, _, n, _ = self.k.shape
         vis = np.ones((b, 1, 1, n), dtype=bool)
         lo = 0
-        for size, kl in zip(self.sizes, self.kv_len):
+        for size, kl in zip(self.sizes, self.kv_len, strict=False):
             if kl is not None:
                 vis[:, 0, 0, lo : lo + size] &= np.arange(size) < kl[:, None]
             lo += size

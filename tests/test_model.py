@@ -1,5 +1,6 @@
 """Structural properties of the cost model (never the numbers it was built from)."""
 
+import itertools
 import json
 import math
 import sys
@@ -29,7 +30,7 @@ def test_tree_overhead_does_not_grow_with_sequence_length():
 def test_ring_grows_linearly_in_ranks_at_fixed_shard():
     t_per_rank = 8192
     ring = [model.predict(W, t_per_rank * p, p, M)["ring"] for p in (8, 16, 32, 64)]
-    steps = [b - a for a, b in zip(ring, ring[1:])]
+    steps = [b - a for a, b in itertools.pairwise(ring)]
     assert all(s > 0 for s in steps)
     assert ring[-1] / ring[0] > 7  # ~(64 - 1) / (8 - 1) of transfer-bound steps
 

@@ -195,7 +195,7 @@ def test_verify_attention_matches_full_mask_reference(ragged):
     )
     ctx_vis = np.ones((b, n), dtype=bool)
     start = 0
-    for s, kl in zip(sizes, lens):
+    for s, kl in zip(sizes, lens, strict=False):
         if kl is not None:
             ctx_vis[:, start : start + s] = np.arange(s) < kl[:, None]
         start += s

@@ -141,7 +141,7 @@ def test_packed_tree_verification_equals_each_candidate_alone():
     before = [(x.positions.clone(), x.keys.clone()) for x in cache.layers]
     logits = mtt.verify(model, cache, packed, attention_mask=mask)
     assert cache.get_seq_length() == ids.shape[1]  # the tree left no trace
-    for (pos, keys), layer in zip(before, cache.layers):
+    for (pos, keys), layer in zip(before, cache.layers, strict=False):
         assert torch.equal(pos, layer.positions) and torch.equal(keys, layer.keys)
     assert packed.valid.sum() < beam.numel()  # the tree really shared prefixes
     model.set_attn_implementation("eager")

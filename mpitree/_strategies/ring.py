@@ -60,7 +60,7 @@ class Ring(Strategy):
                 np.empty((b, vheads, local.q_len, ts), dtype=bool) if vheads else None,
             )
             reqs = []
-            for tag, (out_buf, in_buf) in enumerate(zip(block, new)):
+            for tag, (out_buf, in_buf) in enumerate(zip(block, new, strict=False)):
                 if in_buf is not None:
                     reqs.append(comm.Irecv([in_buf, MPI.BYTE], left, tag))
                 if out_buf is not None:

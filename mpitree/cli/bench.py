@@ -175,8 +175,8 @@ def measure(comm, args, workload, tokens):
         "shard_tokens": sizes.tolist(),
         "dtype": "float32",
         "times": {n: _stats(slow[i]) for i, n in enumerate(names)},
-        "bytes_sent_per_rank": dict(zip(STRATEGIES, counted.tolist())),
-        "extra_peak_bytes_per_rank": dict(zip(STRATEGIES, mem.tolist())),
+        "bytes_sent_per_rank": dict(zip(STRATEGIES, counted.tolist(), strict=False)),
+        "extra_peak_bytes_per_rank": dict(zip(STRATEGIES, mem.tolist(), strict=False)),
         "max_abs_diff_vs_allreduce": diff,
         "bandwidth_gbs": {
             "read": float(np.median(bw[:, 0]) / 1e9),
@@ -285,7 +285,7 @@ def plot(cells, path):
         raise RuntimeError("--plot needs matplotlib: pip install 'mpitree[bench]'") from exc
     workloads = list(dict.fromkeys(c["workload"] for c in cells))
     fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.2), squeeze=False)
-    for ax, wl in zip(axes[0], workloads):
+    for ax, wl in zip(axes[0], workloads, strict=False):
         rows = sorted((c for c in cells if c["workload"] == wl), key=lambda c: c["tokens"])
         base = rows[0]["times"]["ring"]["median_ms"]
         n = [c["tokens"] for c in rows]

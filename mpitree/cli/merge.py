@@ -79,7 +79,7 @@ def run(args):
             f"{MPI.Get_library_version().splitlines()[0].strip()}"
         )
         print(f"{'method':<34} {'median us':>10} {'vs MPI.SUM':>11}")
-        for name, m in zip(names, med):
+        for name, m in zip(names, med, strict=False):
             print(f"{name:<34} {m:>10.1f} {m / base:>10.2f}x")
         print(
             f"slowest rank per merge, median of {args.iters} interleaved merges after "
