@@ -237,10 +237,7 @@ if rows:
 def test_auto_is_resolved_from_agreed_facts():
     """Rank 0 runs without the native op: every rank must resolve "auto" alike."""
     py = [sys.executable, "-c", AUTO]
-    if "open mpi" in __import__("mpi4py.MPI").MPI.Get_library_version().lower():
-        cmd = [*mpiexec(1), "-x", "MPITREE_NATIVE_OP=0", *py, ":", "-n", "2", *py]
-    else:
-        cmd = [*mpiexec(1), "-env", "MPITREE_NATIVE_OP", "0", *py, ":", "-n", "2", *py]
+    cmd = [*mpiexec(1), "env", "MPITREE_NATIVE_OP=0", *py, ":", "-n", "2", *py]
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env, check=False)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -8,6 +8,11 @@ from .._op import record_op
 from .._traffic import traffic
 from . import Strategy, flagged, register, set_flag
 
+# Open MPI 5.0 retains ~17 KB per freed persistent all-reduce request (measured: 4000
+# Allreduce_init/Free cycles in plain mpi4py grew RSS by 67 MB; MPICH: 0 MB), and a
+# persistent request measured no faster than a blocking call here: use blocking ones.
+_PERSISTENT_OK = "open mpi" not in MPI.Get_library_version().lower()
+
 
 @register
 class Allreduce(Strategy):
@@ -22,7 +27,7 @@ class Allreduce(Strategy):
             return
         rec, self._op = record_op(merger.buf.dtype, merger.buf.shape[1])
         self._spec = [merger.buf, merger.buf.shape[0], rec]
-        if persistent:
+        if persistent and _PERSISTENT_OK:
             try:
                 self._request = self.comm.Allreduce_init(MPI.IN_PLACE, self._spec, self._op)
                 self.requests.append(self._request)
