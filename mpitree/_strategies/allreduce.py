@@ -31,7 +31,7 @@ class Allreduce(Strategy):
             try:
                 self._request = self.comm.Allreduce_init(MPI.IN_PLACE, self._spec, self._op)
                 self.requests.append(self._request)
-            except (NotImplementedError, MPI.Exception):
+            except (RuntimeError, MPI.Exception):  # MPI < 4 has no persistent collectives
                 self._request = None
 
     def reduce(self, local, failed):
