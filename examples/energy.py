@@ -1,8 +1,23 @@
-"""Attention as the gradient of an energy: mpiexec -n 3 python examples/energy.py"""
+"""Attention as the gradient of an energy.
+
+.venv/bin/mpiexec -n 3 .venv/bin/python examples/energy.py
+"""
+
+import sys
 
 import numpy as np
-import torch
 from mpi4py import MPI
+
+try:
+    import torch
+except ImportError:  # every rank exits the same way; rank 0 says why
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(
+            "examples/energy.py compares with torch autograd and needs torch: "
+            ".venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu",
+            file=sys.stderr,
+        )
+    sys.exit(1)
 
 from mpitree.energy import attention_variance, free_energy, tree_energy
 

@@ -1,7 +1,9 @@
 """Greedy generation of a random-weight Llama with its KV cache sharded over MPI ranks.
 
-    mpiexec -n 4 python examples/llama_decode.py                  # small Llama, 2K context
-    mpiexec -n 4 python examples/llama_decode.py --llama8b --context 16384 --new-tokens 16
+    # a small Llama, 2K context; then Llama-3.1-8B attention shapes at 16K
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/llama_decode.py
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/llama_decode.py --llama8b --context 16384 \
+        --new-tokens 16
 
 Every rank builds the same model (random weights from a fixed seed, no
 downloads) and runs ``generate`` with ``attn_implementation="mpitree"`` and a

@@ -1,6 +1,6 @@
 """Exact decode attention over a KV cache sharded across MPI ranks.
 
-    mpiexec -n 4 python examples/quickstart.py
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/quickstart.py
 
 Every rank holds a different slice of the sequence (uneven, one may be empty) and
 the same query; every rank gets the attention output over the whole sequence.

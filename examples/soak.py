@@ -1,13 +1,13 @@
 """Soak test: a long decode loop must not grow memory or leak MPI objects.
 
-    mpiexec -n 4 python examples/soak.py --steps 100000 [--strategy auto]
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/soak.py --steps 100000 [--strategy auto]
 
 Runs ``--steps`` decode steps with a DecodePlan, rebuilding the plan every
 ``--rebuild`` steps (which exercises freeing persistent requests), with a cache
 that grows by one token per step on the last rank. Rank 0 prints the resident
 memory (RSS), Python-level allocations (tracemalloc), cached MPI ops and live
-communicators at checkpoints, and exits non-zero if RSS grew by more than 1 MB
-after the warm-up or any MPI object count grew.
+communicators at checkpoints, with progress on stderr, and exits non-zero if RSS
+grew by more than 1 MB after the warm-up or any MPI object count grew.
 """
 
 import argparse
@@ -23,13 +23,25 @@ from mpi4py import MPI
 import mpitree
 from mpitree import _op
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--steps", type=int, default=100_000)
+parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+)
+parser.add_argument("--steps", type=int, default=100_000, help="decode steps in all")
 parser.add_argument("--rebuild", type=int, default=10_000, help="steps between new plans")
-parser.add_argument("--strategy", default="auto")
-parser.add_argument("--node-size", type=int, default=None)
-parser.add_argument("--warmup", type=int, default=2_000)
+parser.add_argument("--strategy", default="auto", help="merge strategy of the plans")
+parser.add_argument("--node-size", type=int, default=None, help="ranks per node (None: detect)")
+parser.add_argument(
+    "--warmup",
+    type=int,
+    default=None,
+    help="steps before the memory baseline (None: a tenth of --steps, at most 2000)",
+)
 args = parser.parse_args()
+if args.warmup is None:
+    args.warmup = min(2_000, args.steps // 10)
+if not 0 <= args.warmup < args.steps or args.rebuild < 1:
+    parser.error(f"need 0 <= --warmup ({args.warmup}) < --steps ({args.steps}) and --rebuild >= 1")
+checkpoint = max(1, args.steps // 10)
 
 
 def handle_probe(comm):
@@ -71,9 +83,12 @@ for step in range(args.steps):
         plan = mpitree.DecodePlan(1, 8, 2, 64, strategy=args.strategy, node_size=args.node_size)
     t = 256 + (step if rank == last else 0)
     out = plan.decode(q, k_cache[:, :, :t], v_cache[:, :, :t])
-    if step == args.warmup or step == args.steps - 1 or step % (args.steps // 10) == 0:
+    if step == args.warmup or step == args.steps - 1 or step % checkpoint == 0:
         gc.collect()
         marks.append((step, rss_mb(), tracemalloc.get_traced_memory()[0] / 1e6, len(_op._ops)))
+        if rank == 0 and step:
+            left = (time.perf_counter() - t0) / step * (args.steps - step)
+            print(f"step {step}/{args.steps}, about {left:.0f} s left", file=sys.stderr, flush=True)
 plan.free()
 elapsed = time.perf_counter() - t0
 reused = handle_probe(comm) == probe_before
@@ -99,8 +114,11 @@ if rank == 0:
         worst_growth = max(worst_growth, end[1] - base[1])
         leaks |= end[3] > base[3]
     leaks |= not reused
+    grew = worst_growth > 1.0
     print(
-        f"RSS growth after warm-up (worst rank): {worst_growth:.3f} MB; cached MPI ops grew "
-        f"or communicator/datatype handles not reused: {leaks}"
+        f"RSS growth after warm-up (worst rank): {worst_growth:.3f} MB "
+        f"({'over' if grew else 'within'} the 1 MB limit); MPI objects: "
+        f"{'LEAKED (cached ops grew or handles were not reused)' if leaks else 'no leak'}"
     )
-    sys.exit(1 if worst_growth > 1.0 or leaks else 0)
+    print("FAIL" if grew or leaks else "PASS")
+    sys.exit(1 if grew or leaks else 0)

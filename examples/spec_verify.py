@@ -1,4 +1,7 @@
-"""Verify draft candidates against a sharded context: mpiexec -n 3 python examples/spec_verify.py"""
+"""Verify draft candidates against a sharded context.
+
+    .venv/bin/mpiexec -n 3 .venv/bin/python examples/spec_verify.py
+"""
 
 import numpy as np
 from mpi4py import MPI

@@ -1,4 +1,7 @@
-"""Tree decoding of torch tensors: mpiexec -n 4 python examples/torch_decode.py [--device cuda]"""
+"""Tree decoding of torch tensors.
+
+    .venv/bin/mpiexec -n 4 .venv/bin/python examples/torch_decode.py [--device cuda]
+"""
 
 import argparse
 

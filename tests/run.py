@@ -4,12 +4,16 @@
 
 Each leg runs ``pytest -m parallel[N]`` on N ranks (mpi-pytest's non-forking
 mode) with a wall-clock limit, every rank writing its own JUnit XML, so a test
-failing on any rank counts as failed. Exits non-zero if any test failed, any leg
-crashed or timed out, or a leg ran no test.
+failing on any rank counts as failed. The runner lists every skipped test with its
+reason. Only ``cuda``-marked tests may skip (where no CUDA device is usable): any
+other skip counts as a failure, so the suite cannot silently test less than it says.
+Exits non-zero if any test failed or skipped unexpectedly, any leg crashed or timed
+out, or a leg ran no test.
 """
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -22,19 +26,41 @@ from launch import mpiexec
 ROOT = Path(__file__).resolve().parent.parent
 
 
+INSTALL = {
+    "torch": "pip install torch --index-url https://download.pytorch.org/whl/cpu",
+    "mpi_pytest": "pip install -e '.[test]'",
+}
+
+
 def outcomes(xml_path):
     """Map test id -> (outcome, message) from one JUnit XML file."""
     result = {}
     for case in ET.parse(xml_path).iter("testcase"):
         tid = f"{case.get('classname')}::{case.get('name')}"
+        cuda = any(p.get("value") == "cuda" for p in case.iter("property"))
         outcome, msg = "passed", ""
         for child in case:
             if child.tag in ("failure", "error"):
-                outcome, msg = "failed", (child.get("message") or "")[:400]
+                text = (child.text or "").strip().splitlines()
+                msg = child.get("message") or ""
+                if msg == "collection failure" and text:  # the cause is the text's last line
+                    msg = f"{msg}: {text[-1]}"
+                outcome, msg = "failed", msg[:400]
             elif child.tag == "skipped" and outcome == "passed":
-                outcome, msg = "skipped", child.get("message") or ""
+                outcome = "skipped" if cuda else "unexpected skip"
+                msg = child.get("message") or ""
         result[tid] = (outcome, msg)
     return result
+
+
+def hint(message):
+    """Return an install hint for a failure caused by a missing module, or ''."""
+    found = re.search(r"No module named '([\w.]+)'", message)
+    if not found:
+        return ""
+    top = found.group(1).split(".")[0]
+    how = INSTALL.get(top, "pip install -e '.[mpich,test]' (from the checkout)")
+    return f"  -> {top} is missing: {how}"
 
 
 def run_leg(n, extra, outdir, timeout):
@@ -77,8 +103,8 @@ def main():
     parser.add_argument("--nprocs", default="1,2,3,4", help="comma-separated rank counts")
     parser.add_argument("--leg-timeout", type=int, default=900)
     args, extra = parser.parse_known_args()
-    totals = {"passed": 0, "failed": 0, "skipped": 0}
-    problems = []
+    totals = dict.fromkeys(("passed", "failed", "skipped", "unexpected skip"), 0)
+    problems, skips, hints = [], [], set()
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.nprocs.split(",")):
             merged, problem = run_leg(n, extra, Path(tmp), args.leg_timeout)
@@ -86,15 +112,28 @@ def main():
                 totals[outcome] += 1
                 if outcome == "failed":
                     print(f"FAILED ({n} ranks) {tid}: {msg}")
+                    hints.add(hint(msg))
+                elif outcome != "passed":
+                    skips.append(
+                        f"{'SKIPPED' if outcome == 'skipped' else 'UNEXPECTED SKIP'} "
+                        f"({n} ranks) {tid}: {msg}"
+                    )
             if problem:
                 problems.append(f"{n} ranks: {problem}")
+    if skips:
+        print(f"\n{len(skips)} skipped (only cuda-marked tests may skip):")
+    for line in skips:
+        print(f"  {line}")
+    for line in sorted(hints - {""}):
+        print(line)
     for p in problems:
         print(f"ERROR {p}")
     print(
         f"\nmpitree tests: {totals['passed']} passed, {totals['failed']} failed, "
-        f"{totals['skipped']} skipped"
+        f"{totals['skipped']} skipped (cuda-marked), "
+        f"{totals['unexpected skip']} skipped unexpectedly"
     )
-    return 1 if totals["failed"] or problems else 0
+    return 1 if totals["failed"] or totals["unexpected skip"] or problems else 0
 
 
 if __name__ == "__main__":

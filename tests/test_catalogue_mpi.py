@@ -14,25 +14,18 @@ adding an entry point without catalogue cases fails
 
 import ast
 import importlib
-import os
 import sys
 from pathlib import Path
 
+import mpitree.adapters.transformers as mtt
 import numpy as np
 import pytest
+import torch
+import transformers  # noqa: F401
 from helpers import make_problem, world
+from models import prompt, tiny_llama
 from numpy.testing import assert_allclose
 from standins import fake_cupy, fake_flash_attn
-
-if os.environ.get("MPITREE_REQUIRE_TORCH"):
-    import torch
-    import transformers  # noqa: F401
-else:
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-
-import mpitree.adapters.transformers as mtt
-from models import prompt, tiny_llama
 
 import mpitree
 from mpitree import energy, spec

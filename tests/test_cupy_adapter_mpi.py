@@ -93,9 +93,7 @@ def test_mixed_frameworks_are_refused_on_every_rank(adapter):
 @pytest.mark.cuda
 @pytest.mark.parallel(nprocs=[1, 2])
 def test_real_cupy_on_cuda():
-    cupy = pytest.importorskip("cupy")
-    if cupy.cuda.runtime.getDeviceCount() == 0:
-        pytest.skip("no CUDA device")
+    pytest.importorskip("cupy")
     from mpitree.adapters import cupy as cp
 
     for strategy in ("allreduce", "allgather"):

@@ -7,19 +7,14 @@ semantics; the real kernel is tested by ``test_real_flash_attn_on_cuda``.
 """
 
 import importlib
-import os
 import sys
 
 import numpy as np
 import pytest
+import torch
 from helpers import make_problem, world
 from numpy.testing import assert_allclose
 from standins import fake_flash_attn
-
-if os.environ.get("MPITREE_REQUIRE_TORCH"):
-    import torch
-else:
-    torch = pytest.importorskip("torch")
 
 
 @pytest.fixture
@@ -109,8 +104,6 @@ def test_ring_is_refused_on_every_rank(adapter):
 @pytest.mark.parallel(nprocs=[1, 2])
 @pytest.mark.parametrize("paged_cache", [False, True], ids=["contiguous", "paged"])
 def test_real_flash_attn_on_cuda(paged_cache):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
     pytest.importorskip("flash_attn")
     from mpitree.adapters import flash_attn as fa
 

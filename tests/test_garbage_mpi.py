@@ -11,22 +11,17 @@ every merge strategy including the ring, the energy and spec verification.
 """
 
 import importlib
-import os
 import sys
 
 import numpy as np
 import pytest
+import torch
 from helpers import atol, make_problem, world
 from numpy.testing import assert_allclose
 from standins import fake_cupy, fake_flash_attn
 
 import mpitree
 from mpitree import energy, spec
-
-if os.environ.get("MPITREE_REQUIRE_TORCH"):
-    import torch
-else:
-    torch = pytest.importorskip("torch")
 
 EXCLUSIONS = ["kv_len", "mask", "positions"]
 GARBAGE = np.array([np.nan, np.inf, -np.inf], dtype=np.float64)

@@ -130,7 +130,6 @@ def test_blas_threads_divided_among_ranks(env, expect):
 
 
 def test_torch_example():
-    pytest.importorskip("torch")
     res = run(3, [sys.executable, "examples/torch_decode.py"])
     assert res.returncode == 0, res.stdout + res.stderr
     assert float(res.stdout.split("= ")[-1]) < 2e-3  # bf16 output rounding

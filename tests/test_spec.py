@@ -1,9 +1,8 @@
 """Prefix-tree packing of draft beams, greedy acceptance, and verification over MPI."""
 
-import os
-
 import numpy as np
 import pytest
+import torch
 from helpers import world
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,11 +10,6 @@ from numpy.testing import assert_allclose
 
 import mpitree
 from mpitree import spec
-
-if os.environ.get("MPITREE_REQUIRE_TORCH"):
-    import torch
-else:
-    torch = pytest.importorskip("torch")
 
 WORDS = {w: i for i, w in enumerate("Mars is a red reddish when dark".split())}
 SEED_BEAM = np.array(
@@ -212,7 +206,7 @@ def test_verify_attention_matches_full_mask_reference(ragged):
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_one_packed_pass_equals_each_candidate_separately(impl):
     """A tiny random-weight Llama: logits of the packed tree pass == per-candidate passes."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=50,

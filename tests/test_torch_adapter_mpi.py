@@ -1,18 +1,11 @@
 """mpitree.adapters.torch under real ranks: every strategy, dtypes, masks, empty shards."""
 
-import os
-
 import numpy as np
 import pytest
+import torch
 from helpers import make_problem, world
-from numpy.testing import assert_allclose
-
-if os.environ.get("MPITREE_REQUIRE_TORCH"):
-    import torch
-else:
-    torch = pytest.importorskip("torch")
-
 from mpitree.adapters import torch as mt
+from numpy.testing import assert_allclose
 
 STRATEGIES = ["allreduce", "allreduce3", "allgather", "ring", "hierarchical", "auto"]
 DTYPES = {
@@ -93,7 +86,6 @@ def test_local_state_records_and_cuda_aware_override(monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("strategy", ["allreduce", "ring"])
 def test_torch_cuda_staged_matches_reference(strategy):
     run(strategy, "bfloat16", "gqa", [6], device="cuda")

@@ -1,22 +1,15 @@
 """mpitree.adapters.transformers under real ranks: generate == one process, token for token."""
 
 import copy
-import os
-
-import numpy as np
-import pytest
-from helpers import world
-from numpy.testing import assert_allclose
-
-if os.environ.get("MPITREE_REQUIRE_TORCH"):
-    import torch
-    import transformers
-else:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
 
 import mpitree.adapters.transformers as mtt
+import numpy as np
+import pytest
+import torch
+import transformers
+from helpers import world
 from models import VOCAB, positions, prompt, tiny_llama
+from numpy.testing import assert_allclose
 
 from mpitree import spec
 

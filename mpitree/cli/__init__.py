@@ -3,46 +3,71 @@
 import argparse
 import sys
 
+import mpi4py
+from mpi4py import MPI
+
+from .. import __version__
+from .._runtime import default_comm
+from . import bench as bench_cli
+from . import demo as demo_cli
+from . import merge as merge_cli
+from . import model as model_cli
+
+COMMANDS = {
+    "demo": (demo_cli, "check and time every strategy on a synthetic context"),
+    "bench": (bench_cli, "latency, bytes and peak memory of every strategy"),
+    "model": (model_cli, "predicted step times from the alpha-beta cost model"),
+    "merge": (merge_cli, "time one cross-rank merge with every method"),
+}
+PLOT_HINT = (
+    "--plot needs matplotlib, which does not import here: install it with "
+    "pip install -e '.[bench]' from the mpitree checkout, or pip install matplotlib"
+)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show each option's default, except where there is none (None) or it is a flag (False)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def version_text():
+    """Return mpitree's version, the MPI library's first version line and mpi4py's version."""
+    library = " ".join(MPI.Get_library_version().splitlines()[0].split())
+    return f"mpitree {__version__}\nMPI library: {library}\nmpi4py {mpi4py.__version__}"
+
+
+def build_parser():
+    """Return the parser of ``python -m mpitree`` and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="python -m mpitree", description=__doc__, formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=version_text(),
+        help="print the versions of mpitree, the MPI library and mpi4py, and exit",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, text) in COMMANDS.items():
+        module.add_arguments(
+            sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+        )
+    return parser
+
 
 def main(argv=None):
-    """Parse the command line and run the chosen subcommand."""
-    parser = argparse.ArgumentParser(prog="python -m mpitree", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    from . import bench as bench_cli
-    from . import demo as demo_cli
-    from . import merge as merge_cli
-    from . import model as model_cli
-
-    demo = sub.add_parser("demo", help="check and time every strategy on a synthetic context")
-    demo_cli.add_arguments(demo)
-    demo.add_argument(
-        "--tolerance",
-        type=float,
-        default=None,
-        help="exit 1 if any strategy's max error exceeds this",
-    )
-    bench = sub.add_parser("bench", help="latency, bytes and peak memory of every strategy")
-    bench_cli.add_arguments(bench)
-    cost = sub.add_parser("model", help="predicted step times from the alpha-beta cost model")
-    model_cli.add_arguments(cost)
-    merge = sub.add_parser("merge", help="time one cross-rank merge with every method")
-    merge_cli.add_arguments(merge)
-    args = parser.parse_args(argv)
-    if args.command == "merge":
-        merge_cli.run(args)
-        return 0
-    if args.command == "model":
-        model_cli.run(args)
-        return 0
-    if args.command == "bench":
-        bench_cli.run(args)
-        return 0
-    err = demo_cli.run(args)
-    if args.tolerance is not None and err is not None and err > args.tolerance:
-        print(f"FAILED: max error {err:.3e} > tolerance {args.tolerance:.1e}", file=sys.stderr)
-        return 1
+    """Parse the command line and run the chosen subcommand; return the exit code."""
+    args = build_parser().parse_args(argv)
+    if args.command == "bench" and args.plot:
+        # before any work, and agreed: if one rank cannot plot, every rank stops
+        if default_comm().allreduce(not bench_cli.matplotlib_importable(), op=MPI.LOR):
+            print(f"python -m mpitree bench: error: {PLOT_HINT}", file=sys.stderr)
+            return 2
+    if args.command == "demo":
+        return 1 if demo_cli.run(args) else 0
+    COMMANDS[args.command][0].run(args)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

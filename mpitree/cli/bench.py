@@ -2,7 +2,6 @@
 
 import json
 import platform
-import sys
 import time
 import tracemalloc
 
@@ -17,6 +16,7 @@ from .._op import native_op_available
 from .._plan import DecodePlan
 from .._runtime import default_comm, limit_blas_threads, ranks_on_node
 from .._traffic import traffic
+from ._display import NOISE, NOISE_NOTE, overhead, progress
 
 WORKLOADS = {
     # Llama-3.1-8B attention layer: 32 query heads, 8 KV heads, D = 128
@@ -39,11 +39,12 @@ def add_arguments(parser):
     parser.add_argument(
         "--tokens",
         default=None,
-        help=f"comma-separated sequence lengths N (default {DEFAULT_TOKENS})",
+        help=f"comma-separated sequence lengths N (default: {DEFAULT_TOKENS}; "
+        f"{QUICK_TOKENS} with --quick)",
     )
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=1, help="batch size B")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per method")
     parser.add_argument(
         "--quick", action="store_true", help=f"small run: N = {QUICK_TOKENS}, 3 steps, 1 warm-up"
     )
@@ -53,8 +54,21 @@ def add_arguments(parser):
         default=0,
         help="virtual node size for the hierarchical strategy (0: real nodes)",
     )
-    parser.add_argument("--json", metavar="PATH", help="write every number and the environment")
-    parser.add_argument("--plot", metavar="PATH", help="draw the paper-style figure (matplotlib)")
+    parser.add_argument(
+        "--json", metavar="PATH", help="write every number and the environment to PATH"
+    )
+    parser.add_argument(
+        "--plot", metavar="PATH", help="draw the paper-style figure to PATH (needs matplotlib)"
+    )
+
+
+def matplotlib_importable():
+    """Return whether matplotlib imports, as ``--plot`` needs."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def environment(comm):
@@ -191,14 +205,6 @@ def measure(comm, args, workload, tokens):
     return cell
 
 
-def _progress(done, total, label):
-    """Draw a one-line progress bar on stderr."""
-    width = 30
-    filled = int(width * done / total)
-    sys.stderr.write(f"\rbench [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<28}")
-    sys.stderr.flush()
-
-
 def _mb(x):
     """Bytes as a short human string."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
@@ -207,16 +213,25 @@ def _mb(x):
     return f"{x:.0f} B"
 
 
-def report(env, cells):
+def _table(title, columns, rows):
+    """Print a titled table: N, then one right-aligned value per cell (fits 100 columns)."""
+    print(f"\n{title}")
+    print(f"{'N':>8}" + "".join(f"{c:>11}" for c in columns))
+    for n, values in rows:
+        print(f"{n:>8}" + "".join(f"{x:>11}" for x in values))
+
+
+def report(env, cells, steps):
     """Print the tables on rank 0."""
     print(
-        f"\nmpitree bench: {env['ranks']} ranks on {env['nodes']} node(s), "
-        f"{env['mpi_library']}; BLAS threads {env['blas_threads']}; {env['cpu']}"
+        f"\nmpitree bench: {env['ranks']} ranks on {env['nodes']} node(s); "
+        f"BLAS threads {env['blas_threads']}"
     )
-    print(
-        "times: slowest rank per step, median (p90 - p10 spread) in ms; "
-        "'x ring' = ring time / this time"
-    )
+    print(f"MPI: {' '.join(env['mpi_library'].split())}")
+    print(f"CPU: {env['cpu']}")
+    short = {"local (C kernel)": "local", "hierarchical": "hierarch."}
+    timed = ("local (C kernel)", *STRATEGIES)
+    noisy = False
     for wl in dict.fromkeys(c["workload"] for c in cells):
         rows = [c for c in cells if c["workload"] == wl]
         c0 = rows[0]
@@ -224,65 +239,141 @@ def report(env, cells):
             f"\n== {wl}: Hq={c0['q_heads']} Hkv={c0['kv_heads']} D={c0['head_dim']} "
             f"B={c0['batch']} float32"
         )
-        names = list(c0["times"])
-        print(f"{'N':>8} " + " ".join(f"{n:>17}" for n in names) + f" {'ring/tree':>9}")
-        for c in rows:
-            cells_txt = []
-            for n in names:
-                t = c["times"][n]
-                cells_txt.append(f"{t['median_ms']:8.2f} ({t['p90_ms'] - t['p10_ms']:5.2f})")
-            print(
-                f"{c['tokens']:>8} "
-                + " ".join(f"{x:>17}" for x in cells_txt)
-                + f" {c['ring_over_tree']:>8.2f}x"
-            )
-        print("\n   N | overhead over local (ms): " + "  ".join(f"{s}" for s in STRATEGIES))
-        for c in rows:
-            loc = c["times"]["local (C kernel)"]["median_ms"]
-            print(
-                f"{c['tokens']:>8} | "
-                + "  ".join(f"{s}={c['times'][s]['median_ms'] - loc:+.2f}" for s in STRATEGIES)
-            )
-        print("\n   N | bytes sent per rank per step (counted) vs the paper")
-        for c in rows:
-            b, f = c["bytes_sent_per_rank"], c["paper"]
-            print(
-                f"{c['tokens']:>8} | ring {_mb(b['ring'])} (eq.31 {_mb(f['eq31_ring_bytes'])}, "
-                f"x{b['ring'] / f['eq31_ring_bytes']:.2f}) | allreduce {_mb(b['allreduce'])} "
-                f"(eq.34 payload {_mb(f['eq34_state_bytes'])}; eq.35 {_mb(f['eq35_tree_bytes'])})"
-                f" | allreduce3 {_mb(b['allreduce3'])} | allgather {_mb(b['allgather'])}"
-            )
-        print(
-            "\n   N | peak memory beyond the resident K/V shard, per rank (measured) vs the paper"
+        _table(
+            f"step time, ms: slowest rank per step, median of {steps} steps; "
+            "local = C kernel on the shard alone",
+            [*(short.get(n, n) for n in timed), "ring/tree"],
+            [
+                (
+                    c["tokens"],
+                    [
+                        *(f"{c['times'][n]['median_ms']:.2f}" for n in timed),
+                        f"{c['ring_over_tree']:.2f}x",
+                    ],
+                )
+                for c in rows
+            ],
         )
-        for c in rows:
-            m, f = c["extra_peak_bytes_per_rank"], c["paper"]
-            print(
-                f"{c['tokens']:>8} | ring {_mb(m['ring'])} "
-                f"(eq.29 {_mb(f['eq29_ring_extra_bytes'])})"
-                f" | allreduce {_mb(m['allreduce'])} (eq.30 {_mb(f['eq30_tree_extra_bytes'])})"
-                f" | allreduce3 {_mb(m['allreduce3'])} | allgather {_mb(m['allgather'])}"
+        _table(
+            "spread of the step time, ms: p90 - p10",
+            [short.get(n, n) for n in timed],
+            [
+                (
+                    c["tokens"],
+                    [f"{c['times'][n]['p90_ms'] - c['times'][n]['p10_ms']:.2f}" for n in timed],
+                )
+                for c in rows
+            ],
+        )
+        over = [
+            (
+                c["tokens"],
+                [
+                    overhead(
+                        c["times"][s]["median_ms"] - c["times"]["local (C kernel)"]["median_ms"]
+                    )
+                    for s in STRATEGIES
+                ],
             )
-        print("\n   N | local kernel bandwidth per rank (median over ranks)")
-        for c in rows:
-            bw = c["bandwidth_gbs"]
-            print(
-                f"{c['tokens']:>8} | read {bw['read']:.1f} GB/s | C kernel {bw['kernel']:.1f} GB/s "
-                f"= {100 * bw['kernel_over_read']:.0f}% of read | numpy {bw['numpy']:.1f} GB/s"
-            )
+            for c in rows
+        ]
+        noisy = noisy or any(NOISE in values for _, values in over)
+        _table(
+            "overhead over local attention, ms: median step time minus local's",
+            [short.get(s, s) for s in STRATEGIES],
+            over,
+        )
+        _table(
+            "bytes sent per rank per step, counted, vs the paper's eq.31 (ring), "
+            "eq.34 (state) and eq.35 (tree)",
+            [
+                "ring",
+                "eq.31",
+                "ring/eq.31",
+                "allreduce",
+                "eq.34",
+                "eq.35",
+                "allreduce3",
+                "allgather",
+            ],
+            [
+                (
+                    c["tokens"],
+                    [
+                        _mb(c["bytes_sent_per_rank"]["ring"]),
+                        _mb(c["paper"]["eq31_ring_bytes"]),
+                        f"{c['bytes_sent_per_rank']['ring'] / c['paper']['eq31_ring_bytes']:.2f}x",
+                        _mb(c["bytes_sent_per_rank"]["allreduce"]),
+                        _mb(c["paper"]["eq34_state_bytes"]),
+                        _mb(c["paper"]["eq35_tree_bytes"]),
+                        _mb(c["bytes_sent_per_rank"]["allreduce3"]),
+                        _mb(c["bytes_sent_per_rank"]["allgather"]),
+                    ],
+                )
+                for c in rows
+            ],
+        )
+        _table(
+            "peak memory beyond the resident K/V shard, per rank, measured, "
+            "vs the paper's eq.29 and eq.30",
+            ["ring", "eq.29", "allreduce", "eq.30", "allreduce3", "allgather"],
+            [
+                (
+                    c["tokens"],
+                    [
+                        _mb(c["extra_peak_bytes_per_rank"]["ring"]),
+                        _mb(c["paper"]["eq29_ring_extra_bytes"]),
+                        _mb(c["extra_peak_bytes_per_rank"]["allreduce"]),
+                        _mb(c["paper"]["eq30_tree_extra_bytes"]),
+                        _mb(c["extra_peak_bytes_per_rank"]["allreduce3"]),
+                        _mb(c["extra_peak_bytes_per_rank"]["allgather"]),
+                    ],
+                )
+                for c in rows
+            ],
+        )
+        _table(
+            "local attention on one shard: ms as above; GB/s = K+V bytes / median time, "
+            "median over ranks",
+            [
+                "read ms",
+                "kernel ms",
+                "numpy ms",
+                "read GB/s",
+                "kern GB/s",
+                "kern/read",
+                "numpy GB/s",
+            ],
+            [
+                (
+                    c["tokens"],
+                    [
+                        *(
+                            f"{c['times'][n]['median_ms']:.2f}"
+                            for n in ("read K+V", "local (C kernel)", "local (numpy)")
+                        ),
+                        f"{c['bandwidth_gbs']['read']:.1f}",
+                        f"{c['bandwidth_gbs']['kernel']:.1f}",
+                        f"{100 * c['bandwidth_gbs']['kernel_over_read']:.0f}%",
+                        f"{c['bandwidth_gbs']['numpy']:.1f}",
+                    ],
+                )
+                for c in rows
+            ],
+        )
         worst = max(max(c["max_abs_diff_vs_allreduce"].values()) for c in rows)
         print(f"\nmax |out - allreduce out| over strategies and N: {worst:.2e}")
+    if noisy:
+        print(f"\n{NOISE_NOTE}")
 
 
 def plot(cells, path):
     """Draw time relative to ring at the smallest N, per strategy, vs N (one panel per workload)."""
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise RuntimeError("--plot needs matplotlib: pip install 'mpitree[bench]'") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     workloads = list(dict.fromkeys(c["workload"] for c in cells))
     fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.2), squeeze=False)
     for ax, wl in zip(axes[0], workloads, strict=False):
@@ -329,12 +420,11 @@ def run(args):
     for wl in workloads:
         for n in tokens:
             if rank == 0:
-                _progress(len(cells), total, f"{wl} N={n}")
+                progress("bench", len(cells), total, f"{wl} N={n}")
             cells.append(measure(comm, args, wl, n))
     if rank == 0:
-        _progress(total, total, "done")
-        sys.stderr.write("\n")
-        report(env, cells)
+        progress("bench", total, total, "done")
+        report(env, cells, args.steps)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"environment": env, "results": cells}, f, indent=1)

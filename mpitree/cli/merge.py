@@ -13,9 +13,9 @@ from .._runtime import default_comm
 def add_arguments(parser):
     """Register the merge benchmark's options."""
     parser.add_argument("--rows", type=int, default=32, help="(batch, head, query) rows")
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--head-dim", type=int, default=128, help="head dimension D")
     parser.add_argument("--iters", type=int, default=2000, help="timed merges per method")
-    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=200, help="untimed warm-up merges")
     parser.add_argument(
         "--node-size",
         type=int,

@@ -1,24 +1,34 @@
 """``python -m mpitree model``: predicted step times per strategy from the cost model."""
 
 import json
+import sys
 
 from .. import model
+
+EXTRAPOLATION = 2  # warn for a requested point this many times beyond the calibrated range
 
 
 def add_arguments(parser):
     """Register the model command's options."""
-    parser.add_argument("--machine", default="dgx-h100", choices=sorted(model.MACHINES))
+    parser.add_argument(
+        "--machine",
+        default="dgx-h100",
+        choices=sorted(model.MACHINES),
+        help="preset machine (ignored with --calibrate)",
+    )
     parser.add_argument(
         "--calibrate",
         metavar="BENCH_JSON",
         help="use a machine fitted to a 'python -m mpitree bench --json' file",
     )
-    parser.add_argument("--workload", default="llama3-8b", choices=sorted(model.WORKLOADS))
+    parser.add_argument(
+        "--workload", default="llama3-8b", choices=sorted(model.WORKLOADS), help="layer shapes"
+    )
     parser.add_argument(
         "--kv-itemsize",
         type=int,
         default=None,
-        help="bytes per K/V element (default 2, bf16; 4 with --calibrate)",
+        help="bytes per K/V element (default: 2, bf16; 4 with --calibrate)",
     )
     parser.add_argument("--ranks", default="8", help="comma-separated rank counts")
     parser.add_argument(
@@ -26,11 +36,38 @@ def add_arguments(parser):
     )
 
 
+def warn_extrapolation(bench, path, ranks, tokens):
+    """Warn on stderr about requested ranks or tokens far outside those the bench run measured."""
+    cells = bench["results"]
+    measured = {"ranks": [c["ranks"] for c in cells], "tokens": [c["tokens"] for c in cells]}
+    for name, asked in (("ranks", ranks), ("tokens", tokens)):
+        lo, hi = min(measured[name]), max(measured[name])
+        far = [x for x in asked if x * EXTRAPOLATION < lo or x > hi * EXTRAPOLATION]
+        if far:
+            span = f"{lo}" if lo == hi else f"{lo} to {hi}"
+            print(
+                f"warning: {path} measured {name} = {span}; the predictions for {name} = "
+                f"{', '.join(map(str, far))} extrapolate more than {EXTRAPOLATION}x beyond that",
+                file=sys.stderr,
+            )
+
+
 def run(args):
     """Print one table row per (ranks, tokens)."""
+    ranks = [int(x) for x in args.ranks.split(",")]
+    tokens = [int(x) for x in args.tokens.split(",")]
     if args.calibrate:
         with open(args.calibrate) as f:
-            machine = model.calibrate(json.load(f))
+            bench = json.load(f)
+        machine = model.calibrate(bench)
+        warn_extrapolation(bench, args.calibrate, ranks, tokens)
+        if machine.device.throughput <= 0:
+            print(
+                f"warning: {args.calibrate} gives a negative kernel throughput (local attention "
+                "timed faster on longer shards), so these predictions mean nothing; "
+                "rerun the bench with larger --tokens and more --steps",
+                file=sys.stderr,
+            )
     else:
         machine = model.MACHINES[args.machine]
     workload = model.WORKLOADS[args.workload]
@@ -55,8 +92,8 @@ def run(args):
     )
     names = ("local", *model.STRATEGIES)
     print(f"{'ranks':>6} {'N':>9} " + " ".join(f"{n:>12}" for n in names) + f" {'ring/tree':>10}")
-    for p in (int(x) for x in args.ranks.split(",")):
-        for n in (int(x) for x in args.tokens.split(",")):
+    for p in ranks:
+        for n in tokens:
             t = model.predict(workload, n, p, machine)
             print(
                 f"{p:>6} {n:>9} "
