@@ -1,11 +1,17 @@
 """Install hints for optional frameworks (mpitree is installed from a checkout, not an index)."""
 
+CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
 HINTS = {
     "torch": (
-        "PyTorch: pip install torch  (CPU-only machines: pip install torch "
-        "--index-url https://download.pytorch.org/whl/cpu, about 200 MB instead of several GB)"
+        f"PyTorch: pip install torch  (CPU-only machines: {CPU_TORCH}, about 200 MB instead "
+        "of several GB)"
     ),
-    "transformers": "Hugging Face transformers: pip install -e '.[transformers]' from the checkout",
+    "transformers": (
+        "PyTorch and Hugging Face transformers: pip install -e '.[transformers]' from the "
+        f"checkout  (CPU-only machines: {CPU_TORCH} first, or pip pulls a CUDA build of "
+        "several GB)"
+    ),
     "cupy": "CuPy: pip install -e '.[cupy]' from the checkout (needs a CUDA 12 GPU)",
     "flash_attn": "flash-attn: pip install -e '.[flash-attn]' from the checkout (needs a CUDA GPU)",
 }

@@ -10,11 +10,13 @@ both are timed interleaved, and bandwidth is K+V bytes over the median time.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import time
 
 import numpy as np
 
-from mpitree._kernel import kernel_isa, read_seconds
+from mpitree._kernel import _I64x3, kernel_isa, read_seconds
+from mpitree._library import AttnArgs
 from mpitree._local import local_state
 
 SHAPES = {
@@ -23,8 +25,32 @@ SHAPES = {
 }
 
 
-def measure(hq, hkv, dim, tokens, steps, dtype=np.float32):
-    """Return (read GB/s, kernel GB/s) medians over ``steps`` interleaved repeats."""
+def other_build(path):
+    """Return a function running the kernel of another build of ``_native.c`` (e.g. before)."""
+    lib = ctypes.CDLL(path)
+    lib.mpitree_attend_f32.argtypes = [ctypes.POINTER(AttnArgs)] + [ctypes.c_void_p] * 5
+    lib.mpitree_attend_scratch.restype = ctypes.c_int64
+    lib.mpitree_attend_scratch.argtypes = [ctypes.c_int64] * 2
+
+    def run(q, k, v):
+        b, hq, sq, dim = q.shape
+        hkv, t = k.shape[1], k.shape[2]
+        strides = _I64x3(hkv * t * dim, t * dim, dim)
+        args = AttnArgs(b, hq, hkv, sq, dim, strides, strides, 0, t)
+        args.scale = dim**-0.5
+        scratch = np.empty(lib.mpitree_attend_scratch(hq // hkv * sq, dim), np.float32)
+        out = np.empty((b, hq, sq, dim + 2), np.float32)
+        for x in (q, k, v, out, scratch):
+            assert x.flags.c_contiguous
+        lib.mpitree_attend_f32(
+            ctypes.byref(args), *(x.ctypes.data for x in (q, k, v, out, scratch))
+        )
+
+    return run
+
+
+def measure(hq, hkv, dim, tokens, steps, before=None, dtype=np.float32):
+    """Return (read GB/s, kernel GB/s, before GB/s or nan), medians of interleaved repeats."""
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, hq, 1, dim), dtype=np.float32).astype(dtype)
     k = rng.standard_normal((1, hkv, tokens, dim), dtype=np.float32).astype(dtype)
@@ -35,6 +61,8 @@ def measure(hq, hkv, dim, tokens, steps, dtype=np.float32):
         "read": lambda: (read_seconds(kv32[0]), read_seconds(kv32[1])),
         "kernel": lambda: local_state(q, k, v),
     }
+    if before is not None:
+        methods["before"] = lambda: before(q, k, v)
     times = {n: [] for n in methods}
     for step in range(steps + 2):
         for name, fn in methods.items():
@@ -43,7 +71,8 @@ def measure(hq, hkv, dim, tokens, steps, dtype=np.float32):
             if step >= 2:
                 times[name].append(time.perf_counter() - t0)
     read_bytes = kv32[0].nbytes + kv32[1].nbytes
-    return read_bytes / np.median(times["read"]) / 1e9, nbytes / np.median(times["kernel"]) / 1e9
+    gbs = {n: nbytes / np.median(x) / 1e9 for n, x in times.items()}
+    return read_bytes / np.median(times["read"]) / 1e9, gbs["kernel"], gbs.get("before", np.nan)
 
 
 def main():
@@ -52,15 +81,23 @@ def main():
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--before", metavar="SO", help="another build of _native.c, timed too")
     args = parser.parse_args()
+    before = other_build(args.before) if args.before else None
     print(f"kernel ISA: {kernel_isa()}")
-    print(f"{'shape':<24}{'round':>6}{'read GB/s':>11}{'kernel GB/s':>13}{'ratio':>8}")
+    print(
+        f"{'shape':<24}{'round':>6}{'read GB/s':>11}{'kernel GB/s':>13}{'ratio':>8}"
+        f"{'before GB/s':>13}{'ratio':>8}"
+    )
     for label, (hq, hkv, dim) in SHAPES.items():
         ratios = []
         for r in range(args.rounds):
-            read, kern = measure(hq, hkv, dim, args.tokens, args.steps)
+            read, kern, old = measure(hq, hkv, dim, args.tokens, args.steps, before)
             ratios.append(kern / read)
-            print(f"{label:<24}{r:>6}{read:>11.1f}{kern:>13.1f}{kern / read:>8.0%}")
+            print(
+                f"{label:<24}{r:>6}{read:>11.1f}{kern:>13.1f}{kern / read:>8.0%}"
+                f"{old:>13.1f}{old / read:>8.0%}"
+            )
         print(f"{label:<24}{'all':>6}  ratio {min(ratios):.0%}..{max(ratios):.0%}")
 
 

@@ -12,10 +12,18 @@ sdpa with ``--llama8b``, whose eager score matrix would not fit in memory) and
 prints the tokens, whether they agree, the largest logit difference, and the
 prefill time and decode tokens/s of each run. The strategies run one after the
 other from the same prefilled cache (it is cropped back between runs).
+
+A random-weight model's greedy tokens soon cycle through a few ids, so equal tokens
+are weak evidence. The check that decides is teacher-forced: from the prefilled
+cache, one multi-token step feeds ``--forced`` distinct token ids (a random
+permutation of the vocabulary) on p ranks and on one process, and every logit of
+every position must agree within ``--tolerance`` (float32). The example prints
+``PASS`` or ``FAIL`` and exits non-zero on ``FAIL``.
 """
 
 import argparse
 import os
+import sys
 import time
 
 import mpitree.adapters.transformers as mtt
@@ -76,7 +84,13 @@ def generate(model, ids, impl, new_tokens, cache=None):
             stopping_criteria=[clock],
             pad_token_id=0,
         )
-    return out.sequences, torch.stack(out.logits, 1), clock
+    return out.sequences, torch.stack(out.logits, 1), clock, out.past_key_values
+
+
+def forced_logits(model, cache, tokens):
+    """Logits ``(B, len(tokens), V)`` of one step feeding ``tokens`` after the cache."""
+    with torch.no_grad():
+        return model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
 
 
 def wait_quietly(comm):
@@ -87,17 +101,25 @@ def wait_quietly(comm):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens to generate")
+    parser.add_argument("--forced", type=int, default=32, help="teacher-forced distinct tokens")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="max |dlogit| to PASS")
+    parser.add_argument("--batch", type=int, default=1, help="prompts (rows) per batch")
     parser.add_argument("--llama8b", action="store_true", help="Llama-3.1-8B attention shapes")
     parser.add_argument("--layers", type=int, help="override the number of layers")
-    parser.add_argument("--strategies", default="allreduce,ring")
+    parser.add_argument("--strategies", default="allreduce,ring", help="comma-separated")
     parser.add_argument("--placement", default="interleave", choices=mtt.PLACEMENTS)
     parser.add_argument("--prefill", default="sharded", choices=["sharded", "replicated"])
-    parser.add_argument("--reference", choices=["eager", "sdpa", "none"])
+    parser.add_argument(
+        "--reference", choices=["eager", "sdpa", "none"], help="default: eager, sdpa for --llama8b"
+    )
     args = parser.parse_args()
+    if not 2 <= args.forced + 1 <= 1024:
+        parser.error("--forced must be in 1..1023 (distinct ids from a 1024-token vocabulary)")
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     cores = os.cpu_count() or 1
@@ -114,6 +136,9 @@ def main():
     model = transformers.LlamaForCausalLM(config).eval()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, config.vocab_size, (args.batch, args.context), generator=gen)
+    # the teacher-forced step: the last prompt token, then distinct ids (no repeats)
+    forced = torch.randperm(config.vocab_size - 1, generator=gen)[: args.forced] + 1
+    forced = torch.cat([ids[:, -1:], forced.expand(args.batch, -1)], 1)
     say = print if rank == 0 else (lambda *a, **k: None)
     say(
         f"llama_decode: {size} ranks, context {args.context}, batch {args.batch}, "
@@ -125,8 +150,9 @@ def main():
     ref = None
     if rank == 0 and reference != "none":
         torch.set_num_threads(cores)
-        seq, logits, clock = generate(model, ids, reference, args.new_tokens)
-        ref = seq, logits
+        seq, logits, clock, ref_cache = generate(model, ids, reference, args.new_tokens)
+        ref_cache.crop(args.context - 1 - ref_cache.get_seq_length())  # back to ids[:, :-1]
+        ref = seq, logits, forced_logits(model, ref_cache, forced)
         prompt = clock.times[0] - clock.start
         say(
             f"1 process, {reference}, {cores} threads: prompt {prompt:.1f} s, "
@@ -140,7 +166,7 @@ def main():
     model.set_attn_implementation("mpitree")
     if args.prefill == "sharded":
         start = time.perf_counter()
-        mtt.prefill(model, ids, cache)
+        mtt.prefill(model, ids[:, :-1], cache)  # generate runs the last prompt token
         comm.Barrier()
         took = time.perf_counter() - start
         say(f"mpitree sharded prefill of {args.context - 1} tokens: {took:.1f} s")
@@ -150,21 +176,42 @@ def main():
         if cache.get_seq_length() > prefilled:  # back to the prefilled state
             cache.crop(prefilled - cache.get_seq_length())
         cache.strategy = strategy
-        seq, logits, clock = generate(model, ids, "mpitree", args.new_tokens, cache)
-        rows.append((strategy, seq, logits, clock.rate(args.batch)))
+        seq, logits, clock, _ = generate(model, ids, "mpitree", args.new_tokens, cache)
+        cache.crop(args.context - 1 - cache.get_seq_length())  # back to ids[:, :-1]
+        teacher = forced_logits(model, cache, forced)
+        rows.append((strategy, seq, logits, clock.rate(args.batch), teacher))
 
+    failed = False
     if rank == 0:
         print("tokens (row 0):", rows[0][1][0, args.context :].tolist())
         if ref is not None:
             print("reference     :", ref[0][0, args.context :].tolist())
-        slowest = min(rate for *_, rate in rows)
+        slowest = min(row[3] for row in rows)
         print(
-            f"{'strategy':<12}{'tokens == ref':>14}{'max |dlogit|':>14}{'tok/s':>9}{'speed-up':>10}"
+            f"{'strategy':<12}{'tokens == ref':>14}{'max |dlogit|':>14}"
+            f"{'forced |dlogit|':>17}{'tok/s':>9}{'speed-up':>10}"
         )
-        for strategy, seq, logits, rate in rows:
-            same = "-" if ref is None else ("yes" if torch.equal(seq, ref[0]) else "NO")
-            diff = "-" if ref is None else f"{float((logits - ref[1]).abs().max()):.1e}"
-            print(f"{strategy:<12}{same:>14}{diff:>14}{rate:>9.2f}{rate / slowest:>9.2f}x")
+        worst, all_same = 0.0, True
+        for strategy, seq, logits, rate, teacher in rows:
+            same, diff, tf = "-", "-", "-"
+            if ref is not None:
+                same = "yes" if torch.equal(seq, ref[0]) else "NO"
+                gap = float((logits - ref[1]).abs().max())
+                tf_gap = float((teacher - ref[2]).abs().max())
+                worst = max(worst, tf_gap)
+                all_same &= same == "yes"
+                failed |= same == "NO" or not tf_gap <= args.tolerance
+                diff, tf = f"{gap:.1e}", f"{tf_gap:.1e}"
+            print(f"{strategy:<12}{same:>14}{diff:>14}{tf:>17}{rate:>9.2f}{rate / slowest:>9.2f}x")
+        if ref is not None:
+            verdict = "FAIL" if failed else "PASS"
+            print(
+                f"{verdict}: teacher-forced logits of {args.forced + 1} positions (distinct ids) "
+                f"within {args.tolerance:g} of one process (max |dlogit| {worst:.1e}); greedy "
+                f"tokens {'equal' if all_same else 'DIFFER'}"
+            )
+    if comm.allreduce(failed, op=MPI.LOR):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

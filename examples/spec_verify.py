@@ -1,6 +1,6 @@
 """Verify draft candidates against a sharded context.
 
-    .venv/bin/mpiexec -n 3 .venv/bin/python examples/spec_verify.py
+.venv/bin/mpiexec -n 3 .venv/bin/python examples/spec_verify.py
 """
 
 import numpy as np

@@ -1,6 +1,6 @@
 """Tree decoding of torch tensors.
 
-    .venv/bin/mpiexec -n 4 .venv/bin/python examples/torch_decode.py [--device cuda]
+.venv/bin/mpiexec -n 4 .venv/bin/python examples/torch_decode.py [--device cuda]
 """
 
 import argparse

@@ -37,9 +37,34 @@ def native_kernel_available():
 
 
 def kernel_isa():
-    """Return which build of the compiled kernel runs on this CPU (e.g. "x86-64-v3 (AVX2, FMA)")."""
+    """Return which build of the compiled kernel runs on this CPU (e.g. "x86-64-v4 (AVX-512)")."""
     lib = _lib()
     return "numpy (no compiled kernel)" if lib is None else lib.mpitree_kernel_isa().decode()
+
+
+# Builds of the compiled kernel, best first: x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA),
+# and the baseline (x86-64 SSE2, or portable C off x86-64 / without GCC).
+ISA_LEVELS = (4, 3, 1)
+
+
+def kernel_levels():
+    """Return the kernel builds this CPU can run, best first (empty without the library)."""
+    lib = _lib()
+    if lib is None:
+        return ()
+    best = lib.mpitree_kernel_best()
+    return tuple(level for level in ISA_LEVELS if level <= best)
+
+
+def select_kernel(level=0):
+    """Run build ``level`` (4, 3 or 1; 0 = the best this CPU supports); return the one in use.
+
+    For tests and benchmarks: not safe while another thread runs the kernel.
+    """
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("mpitree: the native library is not built")
+    return lib.mpitree_kernel_select(int(level))
 
 
 def _element_strides(x):
@@ -92,6 +117,83 @@ def attend_native(q, k, v, scale, lens, vis, out):
         scratch.ctypes.data,
     )
     return True
+
+
+def _unit_strides(x):
+    """Element strides (batch, head, key) of a 4-d array, whatever its length; None if unusable."""
+    size = x.itemsize
+    sb, sh, st, sd = x.strides
+    if (sd != size and x.shape[3] > 1) or sb % size or sh % size or st % size:
+        return None
+    return (sb // size, sh // size, st // size)
+
+
+class Prepared:
+    """The C kernel's arguments for one validated layout, reused step after step.
+
+    A decode loop calls the kernel with the same shapes, dtype and strides every
+    step (only the shard length ``T`` may grow): this holds the argument struct,
+    the scratch and the bound function, so a step only sets ``T``, the lengths
+    pointer and the data pointers. Built only for host float32 numpy arrays with
+    whole-element strides and a C-contiguous ``q``; None otherwise (see :meth:`of`).
+    """
+
+    __slots__ = (
+        "_fn",
+        "_k",
+        "_kp",
+        "_o",
+        "_op",
+        "_ref",
+        "_sp",
+        "_v",
+        "_vp",
+        "args",
+        "lens",
+        "scratch",
+    )
+
+    def __init__(self, lib, q, k, v, scale, ks, vs):
+        b, hq, sq, dim = q.shape
+        hkv = k.shape[1]
+        self.args = AttnArgs(b, hq, hkv, sq, dim, _I64x3(*ks), _I64x3(*vs), 0, k.shape[2])
+        self.args.vis, self.args.vis_heads, self.args.scale = 0, 0, scale
+        self.scratch = np.empty(lib.mpitree_attend_scratch(hq // hkv * sq, dim), np.float32)
+        self.lens = np.zeros(b, np.int64)
+        self._ref = ctypes.byref(self.args)
+        self._fn = lib.mpitree_attend_f32
+        self._sp = self.scratch.ctypes.data
+        self._k = self._v = self._o = None
+        self._kp = self._vp = self._op = 0
+
+    @classmethod
+    def of(cls, q, k, v, scale):
+        """Return a :class:`Prepared` for these (already validated) arrays, or None."""
+        lib = _lib()
+        if lib is None or not all(type(x) is np.ndarray for x in (q, k, v)):
+            return None
+        if not (q.dtype == k.dtype == v.dtype == np.float32) or not q.flags.c_contiguous:
+            return None
+        ks, vs = _unit_strides(k), _unit_strides(v)
+        if ks is None or vs is None:
+            return None
+        return cls(lib, q, k, v, scale, ks, vs)
+
+    def run(self, q, k, v, lens, out):
+        """Write the records of q over (k, v) into ``out`` (float32, C-contiguous).
+
+        ``lens`` is None or an int64 ``(B,)`` array already range-checked.
+        """
+        if k is not self._k:  # a cache is usually the same array step after step
+            self._k, self._kp = k, k.ctypes.data
+        if v is not self._v:
+            self._v, self._vp = v, v.ctypes.data
+        if out is not self._o:
+            self._o, self._op = out, out.ctypes.data
+        args = self.args
+        args.t = k.shape[2]
+        args.lens = None if lens is None else lens.ctypes.data
+        self._fn(self._ref, q.ctypes.data, self._kp, self._vp, self._op, self._sp)
 
 
 def read_seconds(x):

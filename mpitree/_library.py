@@ -71,6 +71,10 @@ def _load():
         lib.mpitree_read_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         lib.mpitree_kernel_isa.restype = ctypes.c_char_p
         lib.mpitree_kernel_isa.argtypes = []
+        lib.mpitree_kernel_select.restype = ctypes.c_int
+        lib.mpitree_kernel_select.argtypes = [ctypes.c_int]
+        lib.mpitree_kernel_best.restype = ctypes.c_int
+        lib.mpitree_kernel_best.argtypes = []
     except (OSError, AttributeError) as exc:
         return None, f"could not load {path}: {exc}"
     return lib, None

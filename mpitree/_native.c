@@ -108,17 +108,29 @@ void mpitree_combine(int bits, const void *in, void *io, int count, int dim)
 /* Local decode attention on one shard, float32, for the CPU path.           */
 /*                                                                           */
 /* For each (batch b, kv head h) the R = G * Sq query rows of its GQA group  */
-/* are processed together: one pass over K writes the R scores of each key   */
-/* into a small buffer, one pass over that buffer turns scores into weights  */
-/* (max, exp, sum), and one pass over V accumulates the numerators. K and V  */
-/* are each read exactly once; all arithmetic is float32.                     */
+/* share every key. Keys are taken in chunks (online softmax, running max);  */
+/* per chunk and per block of up to 4 rows, one pass over K writes the       */
+/* block's scores (register-blocked: rows x keys accumulators, so a K vector */
+/* loaded once feeds every row of the block), one pass turns them into       */
+/* weights (max, exp, sum), and one pass over V accumulates the numerators   */
+/* (rows x columns accumulators, a V vector loaded once feeds every row).    */
+/* K and V come from memory once (later row blocks hit the chunk in L2);     */
+/* lines a fixed distance ahead are prefetched into L2. All arithmetic is    */
+/* float32.                                                                  */
+/*                                                                           */
+/* The same code is compiled three times on x86-64 with GCC and picked at    */
+/* run time: x86-64-v4 (AVX-512VL: 32 vector registers, wider blocking),     */
+/* x86-64-v3 (AVX2, FMA) and the baseline (SSE2).                            */
 /* ------------------------------------------------------------------------- */
 #include <stdint.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MPITREE_X86_CLONES 1
 #define MPITREE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define MPITREE_INLINE static inline __attribute__((always_inline))
 #else
 #define MPITREE_CLONES
+#define MPITREE_INLINE static inline
 #endif
 
 typedef struct {
@@ -134,31 +146,35 @@ typedef struct {
 
 /* 8 floats; GCC lowers it to two SSE registers where AVX is unavailable. */
 typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 
-static inline v8f load8(const float *p)
+MPITREE_INLINE v8f load8(const float *p)
 {
     v8f r;
     memcpy(&r, p, sizeof r);
     return r;
 }
 
-static inline void store8(float *p, v8f x) { memcpy(p, &x, sizeof x); }
+MPITREE_INLINE void store8(float *p, v8f x) { memcpy(p, &x, sizeof x); }
 
-static inline float hsum8(v8f a)
+/* x in every lane (written as x - 0, which GCC folds to a broadcast: a vector
+ * constructor inlined into the target-specific builds becomes a chain of inserts). */
+MPITREE_INLINE v8f bcast8(float x)
 {
-    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    const v8f zero = {0};
+    return x - zero;
 }
 
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-static inline v8f select8(v8i mask, v8f a, v8f b) /* mask ? a : b, lane-wise */
+MPITREE_INLINE v8f select8(v8i mask, v8f a, v8f b) /* mask ? a : b, lane-wise */
 {
     return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
 }
 
+MPITREE_INLINE v8f max8(v8f a, v8f b) { return select8(a > b, a, b); }
+
 /* exp(x) for 8 lanes, Cephes-style: ~1 ulp for x in [-87, 88]; exactly 0 below
  * -87.3 (so exp(-inf) = 0, as masked keys need), +inf above 88.7. */
-static inline v8f exp8(v8f x)
+MPITREE_INLINE v8f exp8(v8f x)
 {
     const v8f zero = {0}, lo = zero - 87.3365f, hi = zero + 88.7228f;
     const v8i under = x < lo, over = x > hi;
@@ -178,222 +194,275 @@ static inline v8f exp8(v8f x)
     return select8(under, zero, select8(over, zero + INFINITY, y));
 }
 
-#define KEYS 16 /* keys per block in the value pass (8 KB of V at D = 128) */
-
-static inline v8f bcast8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-
 #if defined(__clang__)
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define SHUF(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
 #endif
 
-/* Lane i of the result is the sum of the lanes of x_i (an 8x8 transpose-add). */
-static inline v8f hsum8x8(v8f x0, v8f x1, v8f x2, v8f x3, v8f x4, v8f x5, v8f x6, v8f x7)
+/* Lane i of the result is the sum of the lanes of x[i] (an 8x8 transpose-add). */
+MPITREE_INLINE v8f hsum8x8(const v8f *x)
 {
 #define PAIRS(a, b) (SHUF(a, b, 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(a, b, 1, 9, 3, 11, 5, 13, 7, 15))
 #define QUADS(a, b) (SHUF(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(a, b, 2, 3, 10, 11, 6, 7, 14, 15))
-    const v8f u0 = QUADS(PAIRS(x0, x1), PAIRS(x2, x3));
-    const v8f u1 = QUADS(PAIRS(x4, x5), PAIRS(x6, x7));
+    const v8f u0 = QUADS(PAIRS(x[0], x[1]), PAIRS(x[2], x[3]));
+    const v8f u1 = QUADS(PAIRS(x[4], x[5]), PAIRS(x[6], x[7]));
 #undef PAIRS
 #undef QUADS
     return SHUF(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 /* Dot product of a and b: vector body, scalar tail. */
-static inline float dot(const float *a, const float *b, int64_t dim)
+MPITREE_INLINE float dot(const float *a, const float *b, int64_t dim)
 {
     const int64_t d8 = dim & ~(int64_t)7;
     v8f acc = {0};
     for (int64_t x = 0; x < d8; x += 8)
         acc += load8(a + x) * load8(b + x);
-    float sum = hsum8(acc);
+    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     for (int64_t x = d8; x < dim; ++x)
         sum += a[x] * b[x];
     return sum;
 }
 
-/* s[r * n + j] = q_r . k_j for r < rows, j < n. Blocks of 8 keys x 1 row: 8 vector
- * accumulators, reduced by one transpose-add into the 8 contiguous scores. The
- * 8 key rows (4 KB at D = 128) stay in L1 across the rows of the group; the block
- * four ahead is prefetched (prefetches never fault, even past the end). */
-MPITREE_CLONES
-static void group_scores(const float *q, const float *k, int64_t kstride, int64_t n,
-                         int64_t rows, int64_t dim, float *s)
+/* Prefetch key row p (len floats) into L2: prefetcht1 does not hold an L1 miss
+ * buffer for the line's whole trip, so the loads of the current keys keep them. */
+MPITREE_INLINE void prefetch_row(const float *p, int64_t len)
 {
-    const int64_t n8 = n & ~(int64_t)7, d8 = dim & ~(int64_t)7;
+    for (int64_t x = 0; x < len; x += 16)
+        __builtin_prefetch(p + x, 0, 2);
+}
+
+#define CHUNK 256 /* keys per chunk: K and V chunks stay in L2 for later row blocks */
+#define KEYS 32   /* keys per block in the value pass (16 KB of V at D = 128) */
+
+/* Scores of one block of rb rows (q: rb rows of dim) against keys [0, n) of k:
+ * s[j * rb + r] = q_r . k_j (interleaved: row r of key j). kb keys at a time, with
+ * rb * kb (8 or 16) vector accumulators reduced by transpose-adds. The key row
+ * `pf` keys ahead is prefetched when pf > 0. */
+MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int64_t n,
+                                 int64_t dim, const int rb, const int kb, int64_t pf, float *s)
+{
+    const int64_t d8 = dim & ~(int64_t)7, nb = n - n % kb;
     const v8f zero = {0};
-    for (int64_t j = 0; j < n8; j += 8) {
-        const float *k0 = k + j * kstride;
-        for (int64_t i = 32; i < 40; ++i) /* the key block 4 ahead: hide memory latency */
-            for (int64_t x = 0; x < dim; x += 16)
-                __builtin_prefetch(k0 + i * kstride + x);
-        for (int64_t r = 0; r < rows; ++r) {
-            const float *qr = q + r * dim;
-            v8f a0 = zero, a1 = zero, a2 = zero, a3 = zero;
-            v8f a4 = zero, a5 = zero, a6 = zero, a7 = zero;
-            for (int64_t x = 0; x < d8; x += 8) {
-                const v8f qv = load8(qr + x);
-                const float *kx = k0 + x;
-                a0 += qv * load8(kx);
-                a1 += qv * load8(kx + kstride);
-                a2 += qv * load8(kx + 2 * kstride);
-                a3 += qv * load8(kx + 3 * kstride);
-                a4 += qv * load8(kx + 4 * kstride);
-                a5 += qv * load8(kx + 5 * kstride);
-                a6 += qv * load8(kx + 6 * kstride);
-                a7 += qv * load8(kx + 7 * kstride);
+    for (int64_t j = 0; j < nb; j += kb) {
+        const float *kj = k + j * ks;
+        if (pf > 0)
+            for (int kk = 0; kk < kb; ++kk)
+                prefetch_row(kj + (pf + kk) * ks, dim);
+        v8f acc[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < rb * kb; ++i)
+            acc[i] = zero;
+        for (int64_t x = 0; x < d8; x += 8) {
+            v8f kv[16];
+#pragma GCC unroll 16
+            for (int kk = 0; kk < kb; ++kk)
+                kv[kk] = load8(kj + kk * ks + x);
+#pragma GCC unroll 4
+            for (int r = 0; r < rb; ++r) {
+                const v8f qv = load8(q + r * dim + x);
+#pragma GCC unroll 16
+                for (int kk = 0; kk < kb; ++kk)
+                    acc[kk * rb + r] += qv * kv[kk];
             }
-            v8f sv = hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7);
+        }
+#pragma GCC unroll 2
+        for (int g = 0; g < rb * kb; g += 8) {
+            v8f sv = hsum8x8(acc + g);
             for (int64_t x = d8; x < dim; ++x)
                 for (int i = 0; i < 8; ++i)
-                    sv[i] += qr[x] * k0[i * kstride + x];
-            store8(s + r * n + j, sv);
+                    sv[i] += q[((g + i) % rb) * dim + x] * kj[((g + i) / rb) * ks + x];
+            store8(s + j * rb + g, sv);
         }
     }
-    for (int64_t j = n8; j < n; ++j)
-        for (int64_t r = 0; r < rows; ++r)
-            s[r * n + j] = dot(q + r * dim, k + j * kstride, dim);
+    for (int64_t j = nb; j < n; ++j) {
+        if (pf > 0)
+            prefetch_row(k + (j + pf) * ks, dim);
+        for (int r = 0; r < rb; ++r)
+            s[j * rb + r] = dot(q + r * dim, k + j * ks, dim);
+    }
 }
 
-/* w * v, or exactly 0 where the weight w is 0 when `masked` (0 * NaN would be NaN). */
-static inline v8f wv8(v8f w, v8f v, int masked)
+/* Fold a block's n keys of interleaved scores (s[j * rb + r]) into the rows' running
+ * max m[r] and sum den[r]: in place, s = exp(s - m_new). scale[r] gets the factor
+ * exp(m_old - m_new) by which row r's earlier numerator must be scaled (0 while the
+ * row has seen no visible key). rb divides 8, so lane l of a vector is row l % rb. */
+MPITREE_INLINE void block_weights(float *s, int64_t n, const int rb, float *m, float *den,
+                                  float *scale)
 {
-    const v8f p = w * v;
-    if (!masked)
-        return p;
-    const v8f zero = {0};
-    return select8(w != zero, p, zero);
+    const int64_t total = n * rb, t8 = total & ~(int64_t)7;
+    v8f vm = bcast8(-INFINITY);
+    for (int64_t e = 0; e < t8; e += 8)
+        vm = max8(load8(s + e), vm);
+    float cm[4], shift[4], sum[4];
+    for (int r = 0; r < rb; ++r)
+        cm[r] = -INFINITY;
+    for (int l = 0; l < 8; ++l)
+        cm[l % rb] = vm[l] > cm[l % rb] ? vm[l] : cm[l % rb];
+    for (int64_t e = t8; e < total; ++e)
+        cm[e % rb] = s[e] > cm[e % rb] ? s[e] : cm[e % rb];
+    v8f vshift;
+    for (int r = 0; r < rb; ++r) {
+        const float fresh = cm[r] > m[r] ? cm[r] : m[r];
+        shift[r] = fresh == -INFINITY ? 0.0f : fresh;
+        scale[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - shift[r]);
+        m[r] = fresh;
+        sum[r] = 0.0f;
+    }
+    for (int l = 0; l < 8; ++l)
+        vshift[l] = shift[l % rb];
+    v8f vs = {0};
+    for (int64_t e = 0; e < t8; e += 8) {
+        const v8f w = exp8(load8(s + e) - vshift);
+        store8(s + e, w);
+        vs += w;
+    }
+    for (int l = 0; l < 8; ++l)
+        sum[l % rb] += vs[l];
+    for (int64_t e = t8; e < total; ++e) {
+        s[e] = expf(s[e] - shift[e % rb]);
+        sum[e % rb] += s[e];
+    }
+    for (int r = 0; r < rb; ++r)
+        den[r] = den[r] * scale[r] + sum[r];
 }
 
-/* acc_r += sum_j p[r * n + j] v_j for r < rows. Blocks of KEYS keys x 16 columns x
- * 4 rows with 8 register accumulators (leftover rows one at a time); while the
- * first row block runs, each line of the key block two ahead is prefetched.
- * `masked`: the chunk has excluded keys (weight exactly 0), whose values may be
- * garbage (a cache's unused slots): they are selected out, never multiplied. */
-MPITREE_CLONES
-static void group_values(const float *p, const float *v, int64_t vstride, int64_t n,
-                         int64_t rows, int64_t dim, float *acc, int masked)
+/* acc_r[x0 + c] += sum_j w[j * rb + r] v_j[x0 + c] for rows r < rb, keys [j0, jn), the
+ * cb vectors of columns from x0: rb * cb register accumulators. `masked`: the chunk
+ * has excluded keys (weight exactly 0) whose values may be garbage (a cache's unused
+ * slots): a key no row of the block sees is skipped, and otherwise the products of
+ * zero weights are selected out, never multiplied into the sums. */
+MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs, int64_t j0,
+                                      int64_t jn, int64_t dim, int64_t x0, const int rb,
+                                      const int cb, float *acc, int masked, int64_t pf)
 {
-    const int64_t d16 = dim & ~(int64_t)15, r4 = rows & ~(int64_t)3;
+    v8f c[16];
+#pragma GCC unroll 4
+    for (int r = 0; r < rb; ++r)
+#pragma GCC unroll 16
+        for (int i = 0; i < cb; ++i)
+            c[r * cb + i] = load8(acc + r * dim + x0 + 8 * i);
+    for (int64_t j = j0; j < jn; ++j) {
+        const float *vj = v + j * vs + x0, *wj = w + j * rb;
+        if (pf > 0)
+            prefetch_row(v + (j + pf) * vs, dim);
+        v8f wr[4];
+#if defined(__GNUC__) && !defined(__clang__)
+        /* one load and in-register broadcasts (reads up to 8 floats: scratch is padded) */
+        const v8f wv = load8(wj);
+#pragma GCC unroll 4
+        for (int r = 0; r < rb; ++r)
+            wr[r] = __builtin_shuffle(wv, (v8i){r, r, r, r, r, r, r, r});
+#else
+        for (int r = 0; r < rb; ++r)
+            wr[r] = bcast8(wj[r]);
+#endif
+        if (masked) {
+            int seen = 0, all = 1;
+            for (int r = 0; r < rb; ++r) {
+                seen |= wj[r] != 0.0f;
+                all &= wj[r] != 0.0f;
+            }
+            if (!seen)
+                continue; /* no row sees this key: its value is never read */
+            if (!all) {
+                const v8f zero = {0};
+#pragma GCC unroll 16
+                for (int i = 0; i < cb; ++i) {
+                    const v8f vv = load8(vj + 8 * i);
+#pragma GCC unroll 4
+                    for (int r = 0; r < rb; ++r) {
+                        c[r * cb + i] += select8(wr[r] != zero, wr[r] * vv, zero);
+                    }
+                }
+                continue;
+            }
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < cb; ++i) {
+            const v8f vv = load8(vj + 8 * i);
+#pragma GCC unroll 4
+            for (int r = 0; r < rb; ++r)
+                c[r * cb + i] += wr[r] * vv;
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < rb; ++r)
+#pragma GCC unroll 16
+        for (int i = 0; i < cb; ++i)
+            store8(acc + r * dim + x0 + 8 * i, c[r * cb + i]);
+}
+
+/* The value pass of one row block over keys [0, n): KEYS keys at a time (in L1),
+ * columns in blocks of cb vectors, then single vectors, then a scalar tail. The
+ * key row `pf` ahead is prefetched (with the first column block) when pf > 0. */
+MPITREE_INLINE void block_values(const float *w, const float *v, int64_t vs, int64_t n,
+                                 int64_t dim, const int rb, const int cb, float *acc, int masked,
+                                 int64_t pf)
+{
+    const int64_t wide = dim - dim % (8 * cb), d8 = dim & ~(int64_t)7;
     for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
         const int64_t jn = j0 + KEYS < n ? j0 + KEYS : n;
-        for (int64_t r0 = 0; r0 < r4; r0 += 4) {
-            const float *p0 = p + r0 * n, *p1 = p0 + n, *p2 = p1 + n, *p3 = p2 + n;
-            float *c0 = acc + r0 * dim, *c1 = c0 + dim, *c2 = c1 + dim, *c3 = c2 + dim;
-            for (int64_t x = 0; x < d16; x += 16) {
-                v8f a00 = load8(c0 + x), a01 = load8(c0 + x + 8);
-                v8f a10 = load8(c1 + x), a11 = load8(c1 + x + 8);
-                v8f a20 = load8(c2 + x), a21 = load8(c2 + x + 8);
-                v8f a30 = load8(c3 + x), a31 = load8(c3 + x + 8);
-                for (int64_t j = j0; j < jn; ++j) {
-                    const float *vj = v + j * vstride + x;
-                    if (r0 == 0)
-                        __builtin_prefetch(vj + 2 * KEYS * vstride);
-                    const v8f v0 = load8(vj), v1 = load8(vj + 8);
-                    const v8f w0 = bcast8(p0[j]), w1 = bcast8(p1[j]);
-                    const v8f w2 = bcast8(p2[j]), w3 = bcast8(p3[j]);
-                    a00 += wv8(w0, v0, masked);
-                    a01 += wv8(w0, v1, masked);
-                    a10 += wv8(w1, v0, masked);
-                    a11 += wv8(w1, v1, masked);
-                    a20 += wv8(w2, v0, masked);
-                    a21 += wv8(w2, v1, masked);
-                    a30 += wv8(w3, v0, masked);
-                    a31 += wv8(w3, v1, masked);
-                }
-                store8(c0 + x, a00);
-                store8(c0 + x + 8, a01);
-                store8(c1 + x, a10);
-                store8(c1 + x + 8, a11);
-                store8(c2 + x, a20);
-                store8(c2 + x + 8, a21);
-                store8(c3 + x, a30);
-                store8(c3 + x + 8, a31);
-            }
-        }
-        for (int64_t r = r4; r < rows; ++r) {
-            const float *pr = p + r * n;
-            float *cr = acc + r * dim;
-            for (int64_t x = 0; x < d16; x += 16) {
-                v8f a0 = load8(cr + x), a1 = load8(cr + x + 8);
-                for (int64_t j = j0; j < jn; ++j) {
-                    const float *vj = v + j * vstride + x;
-                    if (r == 0)
-                        __builtin_prefetch(vj + 2 * KEYS * vstride);
-                    const v8f w = bcast8(pr[j]);
-                    a0 += wv8(w, load8(vj), masked);
-                    a1 += wv8(w, load8(vj + 8), masked);
-                }
-                store8(cr + x, a0);
-                store8(cr + x + 8, a1);
-            }
-        }
-        for (int64_t r = 0; r < rows; ++r)
+        for (int64_t x0 = 0; x0 < wide; x0 += 8 * cb)
+            block_values_cols(w, v, vs, j0, jn, dim, x0, rb, cb, acc, masked, x0 ? 0 : pf);
+        for (int64_t x0 = wide; x0 < d8; x0 += 8)
+            block_values_cols(w, v, vs, j0, jn, dim, x0, rb, 1, acc, masked,
+                              x0 || wide ? 0 : pf);
+        if (d8 < dim)
             for (int64_t j = j0; j < jn; ++j) {
-                const float w = p[r * n + j];
-                if (masked && w == 0.0f)
-                    continue;
-                const float *vj = v + j * vstride;
-                float *cr = acc + r * dim;
-                for (int64_t x = d16; x < dim; ++x)
-                    cr[x] += w * vj[x];
+                if (!d8 && pf > 0)
+                    prefetch_row(v + (j + pf) * vs, dim);
+                for (int r = 0; r < rb; ++r) {
+                    const float x = w[j * rb + r];
+                    if (masked && x == 0.0f)
+                        continue;
+                    for (int64_t c = d8; c < dim; ++c)
+                        acc[r * dim + c] += x * v[j * vs + c];
+                }
             }
     }
 }
 
-/* Fold one chunk of n scores into a row's running max *m and sum *den: in place,
- * s_j = exp(s_j - m_new). Returns the factor exp(m_old - m_new) by which the row's
- * earlier numerator must be scaled (0 while the row has seen no visible key). */
-MPITREE_CLONES
-static float row_weights(float *s, int64_t n, float *m, float *den)
+/* One chunk of keys for a block of rb rows (rows r0 .. r0 + rb - 1 of the group). */
+MPITREE_INLINE void block_chunk(const mpitree_attn_args *a, const float *qs, const float *kc,
+                                const float *vc, int64_t cn, int64_t b, int64_t h, int64_t c0,
+                                int64_t r0, const int rb, const int wide, float *acc, float *mx,
+                                float *den, float *s, int64_t pf)
 {
-    const int64_t n8 = n & ~(int64_t)7;
-    v8f vm = bcast8(-INFINITY);
-    for (int64_t j = 0; j < n8; j += 8) {
-        const v8f x = load8(s + j);
-        vm = select8(x > vm, x, vm);
-    }
-    float cm = -INFINITY;
-    for (int i = 0; i < 8; ++i)
-        cm = vm[i] > cm ? vm[i] : cm;
-    for (int64_t j = n8; j < n; ++j)
-        cm = s[j] > cm ? s[j] : cm;
-    const float old = *m, fresh = cm > old ? cm : old;
-    const float shift = fresh == -INFINITY ? 0.0f : fresh;
-    v8f vs = {0};
-    for (int64_t j = 0; j < n8; j += 8) {
-        const v8f e = exp8(load8(s + j) - shift);
-        store8(s + j, e);
-        vs += e;
-    }
-    float sum = hsum8(vs);
-    for (int64_t j = n8; j < n; ++j) {
-        s[j] = expf(s[j] - shift);
-        sum += s[j];
-    }
-    const float scale = old == -INFINITY ? 0.0f : expf(old - shift);
-    *den = *den * scale + sum;
-    *m = fresh;
-    return scale;
+    const int64_t dim = a->head_dim, sq = a->q_len, g = a->q_heads / a->kv_heads;
+    const int kb = (wide ? 16 : 8) / rb;
+    block_scores(qs + r0 * dim, kc, a->k_strides[2], cn, dim, rb, kb, pf, s);
+    int masked = 0; /* any key of this chunk excluded for some row of the block */
+    if (a->vis)
+        for (int r = 0; r < rb; ++r) {
+            const int64_t row = r0 + r;
+            const int64_t hq = a->vis_heads > 1 ? h * g + row / sq : 0;
+            const uint8_t *vr = a->vis + ((b * a->vis_heads + hq) * sq + row % sq) * a->t + c0;
+            for (int64_t j = 0; j < cn; ++j) {
+                masked |= !vr[j];
+                s[j * rb + r] = vr[j] ? s[j * rb + r] : -INFINITY; /* garbage k never leaks */
+            }
+        }
+    float scale[4];
+    block_weights(s, cn, rb, mx + r0, den + r0, scale);
+    for (int r = 0; r < rb; ++r)
+        if (scale[r] != 1.0f)
+            for (int64_t x = 0; x < dim; ++x)
+                acc[(r0 + r) * dim + x] *= scale[r];
+    block_values(s, vc, a->v_strides[2], cn, dim, rb, (wide ? 16 : 8) / rb,
+                 acc + r0 * dim, masked, pf);
 }
 
-#define CHUNK 2048 /* keys per chunk: scratch stays small whatever the shard length */
-
-/* Scratch floats mpitree_attend_f32 needs (independent of the shard length). */
-int64_t mpitree_attend_scratch(int64_t rows, int64_t dim)
-{
-    return 2 * rows * dim + 2 * rows + CHUNK * rows;
-}
-
-/* q: (B, Hq, Sq, D) float32 contiguous; out: (B, Hq, Sq, D + 2) float32 records;
- * scratch: mpitree_attend_scratch(G * Sq, D) floats (the caller owns it). Keys are
- * taken in chunks with a running max (online softmax), K and V read once each. */
-void mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float *k,
-                        const float *v, float *out, float *scratch)
+/* The whole kernel; `wide`: blocking for 32 vector registers (AVX-512VL). */
+MPITREE_INLINE void attend_impl(const mpitree_attn_args *a, const float *q, const float *k,
+                                const float *v, float *out, float *scratch, const int wide)
 {
     const int64_t dim = a->head_dim, sq = a->q_len, g = a->q_heads / a->kv_heads;
     const int64_t rows = g * sq, w = dim + 2;
+    /* prefetch distance: about 32 KB of keys ahead */
+    int64_t pf = 32768 / (4 * (dim > 0 ? dim : 1));
+    pf = pf < 4 ? 4 : pf > 256 ? 256 : pf;
     float *qs = scratch, *acc = qs + rows * dim, *mx = acc + rows * dim, *den = mx + rows;
     float *s = den + rows;
     for (int64_t b = 0; b < a->batch; ++b) {
@@ -412,26 +481,24 @@ void mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float 
             }
             for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
                 const int64_t cn = n - c0 < CHUNK ? n - c0 : CHUNK;
-                group_scores(qs, kh + c0 * a->k_strides[2], a->k_strides[2], cn, rows, dim, s);
-                int masked = 0; /* any key of this chunk excluded for some row */
-                for (int64_t r = 0; r < rows; ++r) {
-                    float *sr = s + r * cn;
-                    if (a->vis) {
-                        const int64_t hq = a->vis_heads > 1 ? h * g + r / sq : 0;
-                        const uint8_t *vr =
-                            a->vis + ((b * a->vis_heads + hq) * sq + r % sq) * a->t + c0;
-                        for (int64_t j = 0; j < cn; ++j) {
-                            masked |= !vr[j];
-                            sr[j] = vr[j] ? sr[j] : -INFINITY; /* select: garbage k never leaks */
-                        }
+                const float *kc = kh + c0 * a->k_strides[2], *vc = vh + c0 * a->v_strides[2];
+                /* the first row block brings the chunk in (and prefetches ahead, up to
+                 * the shard's end); the others find it in cache */
+                const int64_t ahead = n - c0 - pf > 0 ? pf : 0;
+                for (int64_t r0 = 0; r0 < rows;) {
+                    const int64_t left = rows - r0, p0 = r0 ? 0 : ahead;
+                    float *sb = s + r0 * CHUNK;
+                    if (left >= 4) {
+                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 4, wide, acc, mx, den, sb, p0);
+                        r0 += 4;
+                    } else if (left >= 2) {
+                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 2, wide, acc, mx, den, sb, p0);
+                        r0 += 2;
+                    } else {
+                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 1, wide, acc, mx, den, sb, p0);
+                        r0 += 1;
                     }
-                    const float scale = row_weights(sr, cn, mx + r, den + r);
-                    if (scale != 1.0f)
-                        for (int64_t x = 0; x < dim; ++x)
-                            acc[r * dim + x] *= scale;
                 }
-                group_values(s, vh + c0 * a->v_strides[2], a->v_strides[2], cn, rows, dim, acc,
-                             masked);
             }
             for (int64_t r = 0; r < rows; ++r) {
                 float *rec = out + ((b * a->q_heads + h * g) * sq + r) * w;
@@ -443,15 +510,96 @@ void mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float 
     }
 }
 
-/* Which build of the multiversioned kernels runs on this CPU. */
+/* Scratch floats mpitree_attend_f32 needs (independent of the shard length). */
+int64_t mpitree_attend_scratch(int64_t rows, int64_t dim)
+{
+    return 2 * rows * dim + 2 * rows + CHUNK * rows + 8; /* + 8: whole-vector weight loads */
+}
+
+/* Builds of the kernel: 4 = x86-64-v4 (AVX-512), 3 = x86-64-v3 (AVX2, FMA), 1 = the
+ * baseline (x86-64 SSE2, or portable C elsewhere). */
+#ifdef MPITREE_X86_CLONES
+__attribute__((target("arch=x86-64-v4"))) static void
+attend_v4(const mpitree_attn_args *a, const float *q, const float *k, const float *v,
+          float *out, float *scratch)
+{
+    attend_impl(a, q, k, v, out, scratch, 1);
+}
+
+__attribute__((target("arch=x86-64-v3"))) static void
+attend_v3(const mpitree_attn_args *a, const float *q, const float *k, const float *v,
+          float *out, float *scratch)
+{
+    attend_impl(a, q, k, v, out, scratch, 0);
+}
+#endif
+
+static void attend_base(const mpitree_attn_args *a, const float *q, const float *k,
+                        const float *v, float *out, float *scratch)
+{
+    attend_impl(a, q, k, v, out, scratch, 0);
+}
+
+static int best_level(void)
+{
+#ifdef MPITREE_X86_CLONES
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4"))
+        return 4;
+    if (__builtin_cpu_supports("x86-64-v3"))
+        return 3;
+#endif
+    return 1;
+}
+
+static int kernel_level = 0; /* 0: not chosen yet */
+
+/* The best build this CPU supports (4, 3 or 1). */
+int mpitree_kernel_best(void) { return best_level(); }
+
+/* Select the build to run: `level` 4, 3 or 1, or 0 for the best this CPU supports
+ * (the default). A level above the best is lowered to it. Returns the level in use.
+ * Not thread-safe against running kernels: for tests and benchmarks. */
+int mpitree_kernel_select(int level)
+{
+    const int best = best_level();
+    kernel_level = level <= 0 || level > best ? best : level >= 4 ? 4 : level >= 3 ? 3 : 1;
+    return kernel_level;
+}
+
+/* Which build of the kernel runs (see mpitree_kernel_select). */
 const char *mpitree_kernel_isa(void)
 {
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("x86-64-v3") ? "x86-64-v3 (AVX2, FMA)" : "x86-64 (SSE2)";
+    if (!kernel_level)
+        mpitree_kernel_select(0);
+#ifdef MPITREE_X86_CLONES
+    return kernel_level == 4   ? "x86-64-v4 (AVX-512)"
+           : kernel_level == 3 ? "x86-64-v3 (AVX2, FMA)"
+                               : "x86-64 (SSE2)";
 #else
     return "portable C";
 #endif
+}
+
+/* q: (B, Hq, Sq, D) float32 contiguous; out: (B, Hq, Sq, D + 2) float32 records;
+ * scratch: mpitree_attend_scratch(G * Sq, D) floats (the caller owns it). Keys are
+ * taken in chunks with a running max (online softmax), K and V read once each. */
+void mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float *k,
+                        const float *v, float *out, float *scratch)
+{
+    if (!kernel_level)
+        mpitree_kernel_select(0);
+#ifdef MPITREE_X86_CLONES
+    if (kernel_level == 4) {
+        attend_v4(a, q, k, v, out, scratch);
+        return;
+    }
+    if (kernel_level == 3) {
+        attend_v3(a, q, k, v, out, scratch);
+        return;
+    }
+#endif
+    attend_base(a, q, k, v, out, scratch);
 }
 
 /* Stream-read n floats (the bandwidth floor a decode kernel cannot beat). */

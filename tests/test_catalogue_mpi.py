@@ -305,6 +305,8 @@ def attention_cases():
         "4-D mask additive bias": lambda bad: step(bad, mask=torch.full((2, 1, 1, 10), 0.5)),
         "strategy set on one rank": lambda bad: strategy_changed(bad),
         "beam search after prefill": lambda bad: beams_after_prefill(bad),
+        "no ShardedCache on one rank": lambda bad: without_cache(bad),
+        "prompt fed again": lambda bad: refed(bad),
     }
 
 
@@ -316,11 +318,23 @@ def strategy_changed(bad):
         m(ids[:, :1], past_key_values=cache)
 
 
+def without_cache(bad):
+    m, ids, cache = filled_cache()
+    with torch.no_grad():
+        m(ids[:, :1], past_key_values=None if bad else cache, use_cache=not bad)
+
+
+def refed(bad):
+    m, ids, cache = filled_cache()
+    with torch.no_grad():  # positions 0..8 again, as generate(ids) on this cache would feed
+        m(ids, past_key_values=cache, position_ids=torch.arange(9)[None] if bad else None)
+
+
 def beams_after_prefill(bad):
     m = model()
     ids, _ = prompt(9, False)
     cache = mtt.ShardedCache(m.config, block_size=4)
-    mtt.prefill(m, ids, cache)
+    mtt.prefill(m, ids[:, :-1], cache)
     with torch.no_grad():
         m.generate(
             ids, past_key_values=cache, max_new_tokens=2, num_beams=2 if bad else 1, do_sample=False
@@ -344,6 +358,7 @@ def prefill_cases():
         "prompt length differs": lambda bad: call(bad, ids=prompt(10, False)[0]),
         "mask shape": lambda bad: call(bad, mask=torch.ones(2, 3)),
         "cache not empty": lambda bad: call(bad, dirty=True),
+        "empty prompt": lambda bad: call(bad, ids=prompt(9, False)[0][:, :0]),
         "not a cache": lambda bad: not_a_cache(bad),
     }
 

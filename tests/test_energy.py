@@ -71,6 +71,7 @@ def test_gradient_at_nonzero_zeta_matches_finite_differences():
 
 def test_jax_grad_of_energy_is_attention():
     import jax
+
     jax.config.update("jax_enable_x64", True)
     import jax.numpy as jnp
 

@@ -6,11 +6,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.testing import assert_allclose
 
-from mpitree._kernel import attend_native, native_kernel_available
+from mpitree._kernel import (
+    attend_native,
+    kernel_isa,
+    kernel_levels,
+    native_kernel_available,
+    select_kernel,
+)
 from mpitree._local import state_records
 from mpitree._namespace import namespace
 
 pytestmark = pytest.mark.skipif(not native_kernel_available(), reason="native kernel not built")
+
+# every build of the kernel this CPU runs (x86-64-v4 AVX-512, x86-64-v3 AVX2, baseline)
+LEVELS = kernel_levels() or (0,)
+
+
+@pytest.fixture(params=LEVELS, ids=lambda level: f"isa{level}")
+def level(request):
+    """Run the test on one build of the kernel, then restore the best."""
+    assert select_kernel(request.param) == request.param
+    yield request.param
+    select_kernel(0)
 
 
 def both(q, k, v, scale, lens, vis):
@@ -57,6 +74,15 @@ def close(native, ref, dot_bound=0.0):
     logit=st.sampled_from([1.0, 300.0]),
 )
 def test_native_matches_numpy(seed, b, hkv, g, sq, dim, t, ragged, masking, strided, logit):
+    for level in LEVELS:
+        select_kernel(level)
+        try:
+            check_case(seed, b, hkv, g, sq, dim, t, ragged, masking, strided, logit)
+        finally:
+            select_kernel(0)
+
+
+def check_case(seed, b, hkv, g, sq, dim, t, ragged, masking, strided, logit):
     rng = np.random.default_rng(seed)
     hq = hkv * g
     q = (rng.standard_normal((b, hq, sq, dim)) * logit).astype(np.float32)
@@ -84,3 +110,66 @@ def test_falls_back_for_other_dtypes():
     q = np.ones((1, 1, 1, 4), np.float64)
     out = np.empty((1, 1, 1, 6), np.float64)
     assert not attend_native(q, q, q, 1.0, None, None, out)
+
+
+def test_every_build_this_cpu_supports_is_tested():
+    assert LEVELS[0] == select_kernel(0)
+    names = []
+    for lv in LEVELS:
+        select_kernel(lv)
+        names.append(kernel_isa())
+    select_kernel(0)
+    assert len(set(names)) == len(LEVELS), names
+
+
+@pytest.mark.parametrize("g,sq", [(1, 1), (2, 1), (4, 1), (3, 1), (8, 1), (4, 3), (1, 7)])
+@pytest.mark.parametrize("dim", [128, 72, 19])
+def test_long_shards_cross_chunks(level, g, sq, dim):
+    """Shards of several chunks (online rescaling, prefetch to the end), ragged and masked."""
+    rng = np.random.default_rng([g, sq, dim, level])
+    b, hkv, t = 2, 2, 777
+    hq = hkv * g
+    q = (rng.standard_normal((b, hq, sq, dim)) * 3).astype(np.float32)
+    k = rng.standard_normal((b, hkv, t, dim)).astype(np.float32)
+    v = rng.standard_normal((b, hkv, t, dim)).astype(np.float32)
+    k[0, :, 300:310] *= 4  # a later maximum: the running state is rescaled
+    lens = np.array([t, 513])
+    vis = rng.random((b, hq, sq, t)) < 0.9
+    for args in ((None, None), (lens, None), (lens, vis), (None, vis[:, :1])):
+        qa = np.abs(q).reshape(b, hkv, g * sq, dim)
+        bound = float((qa @ np.abs(k).swapaxes(-1, -2)).max()) / np.sqrt(dim)
+        close(*both(q, k, v, 1 / np.sqrt(dim), *args), dot_bound=bound)
+
+
+@pytest.mark.parametrize("g,sq", [(4, 1), (1, 1), (2, 3), (3, 2)])
+def test_garbage_in_excluded_slots_contributes_nothing(level, g, sq):
+    """NaN/inf in keys and values no row sees, or only some rows see, never leak."""
+    rng = np.random.default_rng([g, sq, level])
+    b, hkv, t, dim = 2, 2, 600, 64
+    hq = hkv * g
+    q = rng.standard_normal((b, hq, sq, dim)).astype(np.float32)
+    k = rng.standard_normal((b, hkv, t, dim)).astype(np.float32)
+    v = rng.standard_normal((b, hkv, t, dim)).astype(np.float32)
+    lens = np.array([t, 400])
+    vis = rng.random((b, hq, sq, t)) < 0.7  # rows of a block see different keys
+    hidden = ~vis.reshape(b, hkv, g * sq, t).any(2)  # keys no row of a group sees
+    garbage = np.where(rng.random((b, hkv, t, 1)) < 0.5, np.nan, np.inf).astype(np.float32)
+    k2, v2 = k.copy(), v.copy()
+    k2[1, :, 400:] = garbage[1, :, 400:]
+    v2[1, :, 400:] = -garbage[1, :, 400:]
+    k2[hidden], v2[hidden] = np.nan, np.inf
+    clean, _ = both(q, k, v, 0.125, lens, vis)
+    dirty, ref = both(q, k2, v2, 0.125, lens, vis)
+    assert not np.isnan(dirty).any()
+    np.testing.assert_array_equal(dirty, clean)
+    close(dirty, ref)
+    # a key only some rows of a block see: its garbage value reaches no row that skips it
+    vis2 = vis.copy()
+    vis2[..., 5] = False
+    vis2[:, 0, 0, 5] = True
+    v3 = v.copy()
+    v3[:, :, 5] = np.nan
+    out, _ = both(q, k, v3, 0.125, None, vis2)
+    rows = out.reshape(b, hkv, g * sq, dim + 2)
+    assert np.isnan(rows[:, 0, 0]).all() or np.isnan(rows[:, 0, 0, 2:]).any()
+    assert not np.isnan(rows[:, 0, 1:]).any() and not np.isnan(rows[:, 1:]).any()

@@ -133,3 +133,27 @@ def test_torch_example():
     res = run(3, [sys.executable, "examples/torch_decode.py"])
     assert res.returncode == 0, res.stdout + res.stderr
     assert float(res.stdout.split("= ")[-1]) < 2e-3  # bf16 output rounding
+
+
+def test_llama_example_checks_teacher_forced_logits():
+    args = [sys.executable, "examples/llama_decode.py", "--context", "200", "--new-tokens", "3"]
+    res = run(3, [*args, "--strategies", "allreduce"], timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "PASS: teacher-forced logits of 33 positions" in res.stdout
+    res = run(2, [*args, "--strategies", "allreduce", "--tolerance", "1e-12"], timeout=240)
+    assert res.returncode != 0 and "FAIL" in res.stdout, res.stdout + res.stderr
+
+
+def test_soak_example_short_run_and_bad_arguments():
+    res = run(2, [sys.executable, "examples/soak.py", "--steps", "60", "--rebuild", "25"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.strip().endswith("PASS") and "MPI objects: no leak" in res.stdout
+    res = run(1, [sys.executable, "examples/soak.py", "--steps", "5", "--warmup", "5"])
+    assert res.returncode == 2 and "--warmup (5) < --steps (5)" in res.stderr
+
+
+def test_energy_example():
+    res = run(3, [sys.executable, "examples/energy.py"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    gaps = [float(x.split(",")[0]) for x in res.stdout.split("= ")[1:3]]
+    assert max(gaps) < 1e-10, res.stdout

@@ -65,3 +65,51 @@ def test_allreduce_state(strategy, dtype):
     again = mpitree.allreduce_state(local, strategy=strategy)  # the cached merger, reused
     assert np.array_equal(again.records, merged.records)
     assert gathered_identical(comm, merged.records)
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+@pytest.mark.parametrize("strategy", ["allreduce", "ring"])
+def test_plan_fast_path_matches_full_checks_and_revalidates(strategy):
+    """Repeated steps skip re-validation; a changed layout or bad kv_len is still caught."""
+    from mpitree import _plan
+
+    comm = world()
+    rng = np.random.default_rng([5, comm.rank])
+    b, hq, hkv, dim, cap = 2, 8, 2, 32, 40
+    k_all = rng.standard_normal((b, hkv, cap, dim)).astype(np.float32)
+    v_all = rng.standard_normal((b, hkv, cap, dim)).astype(np.float32)
+    with mpitree.DecodePlan(b, hq, hkv, dim, comm=comm, strategy=strategy) as plan:
+        for t in (10, 11, 12, 12):  # a growing view: same layout, T changes
+            q = np.random.default_rng(t).standard_normal((b, hq, 1, dim)).astype(np.float32)
+            kv_len = np.array([t, t - 3 - comm.rank % 2])
+            k, v = k_all[:, :, :t], v_all[:, :, :t]
+            fast = plan.decode(q, k, v, kv_len=kv_len)
+            assert plan._fast is not None or strategy == "ring"
+            _plan.FAST_PATH = False
+            try:
+                full = plan.decode(q, k, v, kv_len=kv_len)
+            finally:
+                _plan.FAST_PATH = True
+            assert np.array_equal(fast, full)
+            assert np.array_equal(
+                full, mpitree.tree_decode(q, k, v, kv_len=kv_len, strategy=strategy)
+            )
+        q = np.ones((b, hq, 1, dim), np.float32)
+        k, v = k_all[:, :, :12], v_all[:, :, :12]
+        plan.decode(q, k, v)
+        bad = {0: np.array([3, 13]), 1: np.array([-1, 2])}.get(comm.rank, np.array([1, 2]))
+        with pytest.raises(ValueError, match=r"kv_len|rank 0"):
+            plan.decode(q, k, v, kv_len=bad if comm.rank < 2 else np.array([1, 2]))
+        wrong = {  # a changed layout on the last rank: re-validated, agreed error everywhere
+            "dtype": k.astype(np.float64),
+            "D": k_all[..., :16],
+            "v length": v_all[:, :, :11],
+        }
+        for name, kk in wrong.items():
+            mine = (kk, v) if name != "v length" else (k, kk)
+            args = mine if comm.rank == comm.size - 1 else (k, v)
+            with pytest.raises((ValueError, TypeError)):
+                plan.decode(q, *args)
+        # strided K (a field of a wider buffer) and back: still right
+        wide = np.repeat(k_all[:, :, :12], 2, axis=2)[:, :, ::2]
+        assert_allclose(plan.decode(q, wide, v), plan.decode(q, k, v), atol=1e-6, rtol=0)

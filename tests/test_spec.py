@@ -207,6 +207,7 @@ def test_verify_attention_matches_full_mask_reference(ragged):
 def test_one_packed_pass_equals_each_candidate_separately(impl):
     """A tiny random-weight Llama: logits of the packed tree pass == per-candidate passes."""
     import transformers
+
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=50,

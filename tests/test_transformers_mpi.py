@@ -1,6 +1,9 @@
 """mpitree.adapters.transformers under real ranks: generate == one process, token for token."""
 
 import copy
+import os
+import subprocess
+import sys
 
 import mpitree.adapters.transformers as mtt
 import numpy as np
@@ -32,6 +35,10 @@ def generate(model, ids, mask, impl, cache=None):
         )
 
 
+def but_last(mask):
+    return None if mask is None else mask[:, :-1]
+
+
 def float64_logits(model, sequences, mask, prompt_len):
     """Teacher-forced float64 logits at every generated step.
 
@@ -59,8 +66,8 @@ def test_generate_equals_single_process_eager(placement, strategy, padded, shard
     ref = generate(model, ids, mask, "eager")
     cache = mtt.ShardedCache(model.config, placement=placement, block_size=4, strategy=strategy)
     model.set_attn_implementation("mpitree")
-    if sharded_prefill:
-        mtt.prefill(model, ids, cache, attention_mask=mask)
+    if sharded_prefill:  # all but the last token: generate runs it and goes on
+        mtt.prefill(model, ids[:, :-1], cache, attention_mask=but_last(mask))
     got = generate(model, ids, mask, "mpitree", cache)
     assert torch.equal(got.sequences, ref.sequences)
     ours = torch.stack(got.logits, 1)
@@ -108,12 +115,12 @@ def test_other_model_families_through_the_same_interface(family):
 @pytest.mark.parallel(nprocs=[3, 4])
 def test_sharded_prefill_with_ranks_that_own_no_prompt_token():
     model = tiny_llama()
-    ids, mask = prompt(6, True)  # 5 prefilled tokens in blocks of 4: ranks >= 2 own none
+    ids, mask = prompt(7, True)  # 5 sharded tokens, then 1, in blocks of 4: ranks >= 2 own none
     ref = generate(model, ids, mask, "eager")
     cache = mtt.ShardedCache(model.config, block_size=4)
     model.set_attn_implementation("mpitree")
-    mtt.prefill(model, ids, cache, attention_mask=mask)
-    assert cache.local_length() == [4, 1, 0, 0][world().rank]
+    mtt.prefill(model, ids[:, :-1], cache, attention_mask=mask[:, :-1])
+    assert cache.local_length() == [4, 2, 0, 0][world().rank]
     got = generate(model, ids, mask, "mpitree", cache)
     assert torch.equal(got.sequences, ref.sequences)
     assert_allclose(
@@ -205,10 +212,211 @@ def test_ranks_diverging_mid_generation_raise_on_every_rank():
             model(ids[:, :1], past_key_values=cache)
 
 
-@pytest.mark.parallel(nprocs=[2])
-def test_mpitree_attention_without_sharded_cache_is_a_clear_error():
+def eager_prefix(model, ids, mask):
+    """A DynamicCache holding ``ids`` run by single-process eager (the reference cache)."""
+    model.set_attn_implementation("eager")
+    cache = transformers.DynamicCache(config=model.config)
+    pos = None if mask is None else positions(mask)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits
+    return cache, logits[:, -1]
+
+
+def shards_partition(cache, total):
+    held = world().allgather([layer.positions.tolist() for layer in cache.layers])
+    for layer in range(len(cache.layers)):
+        assert sorted(p for rank in held for p in rank[layer]) == list(range(total))
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parametrize("placement", mtt.PLACEMENTS)
+def test_prefill_holds_the_whole_prompt_and_returns_its_logits(placement):
+    model = tiny_llama()
+    ids, mask = prompt(13, True)
+    _, last = eager_prefix(model, ids, mask)
+    ref = generate(model, ids, mask, "eager")
+    cache = mtt.ShardedCache(model.config, placement=placement, block_size=4)
+    model.set_attn_implementation("mpitree")
+    logits = mtt.prefill(model, ids, cache, attention_mask=mask)
+    assert logits.shape == (2, VOCAB)
+    assert_allclose(logits.numpy(), last.numpy(), atol=1e-5, rtol=0)
+    assert cache.get_seq_length() == 13
+    shards_partition(cache, 13)
+    held = [layer.keys.clone() for layer in cache.layers]
+    # generate(ids) on a cache that holds all of ids would run the prompt a second time
+    with pytest.raises(ValueError, match="strict prefix"):
+        generate(model, ids, mask, "mpitree", cache)
+    assert cache.get_seq_length() == 13  # and the failed step left no trace
+    assert all(torch.equal(k, layer.keys) for k, layer in zip(held, cache.layers, strict=True))
+    # the prompt plus prefill's next token goes on exactly as one process does
+    nxt = ref.sequences[:, 13:14]
+    assert torch.equal(nxt[:, 0], last.argmax(-1))
+    more = torch.cat([mask, torch.ones_like(nxt)], 1)
+    got = generate(model, torch.cat([ids, nxt], 1), more, "mpitree", cache)
+    assert torch.equal(got.sequences[:, : 13 + NEW_TOKENS], ref.sequences)
+    shards_partition(cache, 13 + NEW_TOKENS)
+    with pytest.raises(ValueError, match="strict prefix"):  # the same cache again: re-fed too
+        generate(model, torch.cat([ids, nxt], 1), more, "mpitree", cache)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_beam_search_from_a_prefilled_cache_expanded_per_beam():
+    """``batch_repeat_interleave`` before ``num_beams``; beam search then reorders the rows."""
+    model = tiny_llama()
+    ids, mask = prompt(17, True, batch=3)
+    beams = dict(num_beams=3, num_return_sequences=2)
+    alone = generate_beams(model, ids, mask, "eager", None, beams)
+    reference, _ = eager_prefix(model, ids[:, :-1], mask[:, :-1])
+    reference.batch_repeat_interleave(3)
+    assert torch.equal(generate_beams(model, ids, mask, "eager", reference, beams), alone)
+    cache = mtt.ShardedCache(model.config, block_size=4)
+    model.set_attn_implementation("mpitree")
+    mtt.prefill(model, ids[:, :-1], cache, attention_mask=mask[:, :-1])
+    cache.batch_repeat_interleave(3)
+    assert all(layer.keys.shape[0] == 9 for layer in cache.layers)  # on every rank
+    assert torch.equal(generate_beams(model, ids, mask, "mpitree", cache, beams), alone)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_batch_select_indices_keeps_the_chosen_rows_in_order():
+    model = tiny_llama()
+    ids, mask = prompt(15, True, batch=3)  # row 1 left-padded: its padding follows it
+    rows = torch.tensor([2, 1])
+    alone = generate(model, ids[rows], mask[rows], "eager")
+    reference, _ = eager_prefix(model, ids[:, :-1], mask[:, :-1])
+    reference.batch_select_indices(rows)
+    ref = generate(model, ids[rows], mask[rows], "eager", reference)
+    assert torch.equal(ref.sequences, alone.sequences)
+    cache = mtt.ShardedCache(model.config, block_size=4)
+    model.set_attn_implementation("mpitree")
+    mtt.prefill(model, ids[:, :-1], cache, attention_mask=mask[:, :-1])
+    cache.batch_select_indices(rows)
+    with pytest.raises(ValueError, match="strict prefix"):  # the rows' positions followed them
+        generate(model, ids[rows, :-1], mask[rows, :-1], "mpitree", cache)
+    got = generate(model, ids[rows], mask[rows], "mpitree", cache)
+    assert torch.equal(got.sequences, alone.sequences)
+    ours, theirs = (torch.stack(x.logits, 1).numpy() for x in (got, ref))
+    assert_allclose(ours, theirs, atol=LOGIT_ATOL, rtol=0)
+
+
+def generate_beams(model, ids, mask, impl, cache, beams):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+            **beams,
+        )
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_deepcopy_reuses_a_prefilled_prompt_for_several_continuations():
+    """transformers' prompt reuse: prefill once, ``copy.deepcopy`` per continuation."""
+    model = tiny_llama()
+    ids, mask = prompt(14, True)
+    reference, _ = eager_prefix(model, ids, mask)
+    cache = mtt.ShardedCache(model.config, block_size=4)
+    model.set_attn_implementation("mpitree")
+    mtt.prefill(model, ids, cache, attention_mask=mask)
+    held = [(layer.positions.clone(), layer.keys.clone()) for layer in cache.layers]
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        suffix = torch.from_numpy(rng.integers(1, VOCAB, (2, 3)))
+        longer = torch.cat([ids, suffix], 1)
+        more = torch.cat([mask, torch.ones_like(suffix)], 1)
+        ref = generate(model, longer, more, "eager", copy.deepcopy(reference))
+        assert torch.equal(ref.sequences, generate(model, longer, more, "eager").sequences)
+        twin = copy.deepcopy(cache)
+        assert twin.comm is cache.comm and twin.layers[0].sharding is twin.sharding
+        got = generate(model, longer, more, "mpitree", twin)
+        assert torch.equal(got.sequences, ref.sequences)
+        ours, theirs = (torch.stack(x.logits, 1).numpy() for x in (got, ref))
+        assert_allclose(ours, theirs, atol=LOGIT_ATOL, rtol=0)
+        assert twin.get_seq_length() == 16 + NEW_TOKENS
+    assert cache.get_seq_length() == 14  # the copies grew, the prompt cache did not
+    for (pos, keys), layer in zip(held, cache.layers, strict=True):
+        assert torch.equal(pos, layer.positions) and torch.equal(keys, layer.keys)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parametrize("family", ["llama", "mistral-window-6"])
+def test_without_a_sharded_cache_every_rank_attends_locally(family):
+    """``use_cache=False`` and transformers' own cache: exact, with no merge."""
+    model = tiny_llama()
+    if family != "llama":
+        torch.manual_seed(0)
+        cfg = transformers.MistralConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            sliding_window=6,
+        )
+        model = transformers.MistralForCausalLM(cfg).eval()
+    ids, mask = prompt(19, True)
+    real = mask.bool().numpy()  # padded queries see no key: their outputs are arbitrary
+    logits = {}
+    for impl in ("eager", "mpitree"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            logits[impl] = model(ids, attention_mask=mask, use_cache=False).logits.numpy()
+    assert_allclose(logits["mpitree"][real], logits["eager"][real], atol=1e-5, rtol=0)
+    ref = generate(model, ids, mask, "eager")
+    got = generate(model, ids, mask, "mpitree")  # transformers' DynamicCache
+    assert torch.equal(got.sequences, ref.sequences)
+    ours = torch.stack(got.logits, 1).numpy()
+    assert_allclose(ours, torch.stack(ref.logits, 1).numpy(), atol=LOGIT_ATOL, rtol=0)
+    model.set_attn_implementation("mpitree")
+    with torch.no_grad():
+        kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, use_cache=False)
+        uncached = model.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(uncached, ref.sequences[:, : ids.shape[1] + 4])
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("bad_rank", ["first", "last"])
+def test_a_rank_without_the_sharded_cache_raises_on_every_rank(bad_rank):
     model = tiny_llama()
     model.set_attn_implementation("mpitree")
-    ids, _ = prompt(5, False)
-    with torch.no_grad(), pytest.raises(TypeError, match="ShardedCache"):
-        model(ids)
+    ids, _ = prompt(9, False)
+    cache = mtt.ShardedCache(model.config, block_size=4)
+    bad = world().rank == (0 if bad_rank == "first" else world().size - 1)
+    with torch.no_grad(), pytest.raises(ValueError, match="ranks disagree on cache"):
+        model(ids, past_key_values=None if bad else cache, use_cache=not bad)
+    assert cache.get_seq_length() == 0  # the failed step left the cache empty
+    with torch.no_grad():  # the communicator still works: the same step, now on every rank
+        got = model(ids, past_key_values=cache).logits
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        assert_allclose(got.numpy(), model(ids).logits.numpy(), atol=1e-5, rtol=0)
+
+
+NO_TORCH = "raise ImportError('torch is not installed here')\n"
+
+
+@pytest.mark.parametrize("absent", ["torch", "transformers"])
+def test_import_without_torch_or_transformers_says_what_to_install(absent, tmp_path):
+    (tmp_path / f"{absent}.py").write_text(NO_TORCH.replace("torch", absent))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPI", "HYDRA"))}
+    env["PYTHONPATH"] = str(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", "import mpitree.adapters.transformers"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: mpitree.adapters.transformers needs"), last
+    assert "pip install -e '.[transformers]' from the checkout" in last
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in last
+    assert f"{absent} is not installed here" in last

@@ -11,21 +11,26 @@ reduction, so the outputs equal one process's::
 
     model = AutoModelForCausalLM.from_config(config, attn_implementation="mpitree")
     cache = mtt.ShardedCache(model.config)          # placement="interleave"
-    mtt.prefill(model, input_ids, cache)            # optional: shard the prompt's work
+    mtt.prefill(model, input_ids[:, :-1], cache)    # optional: shard the prompt's work
     out = model.generate(input_ids, past_key_values=cache, do_sample=False)
 
 Queries are computed on every rank (the dense layers are replicated); only the
 attention over the cache is split. Under :func:`prefill` the dense work of the
-prompt is split too. Importing this module imports torch and transformers;
-``import mpitree`` never does.
+prompt is split too. Without a ShardedCache (``use_cache=False``, or transformers'
+own cache) every rank attends locally over the whole sequence, exactly. Importing
+this module imports torch and transformers; ``import mpitree`` never does.
 """
 
+from .._hint import missing
+
+try:
+    import torch  # noqa: F401  (the adapter needs it; the core never imports it)
+except ImportError as exc:
+    raise missing(__name__, "transformers", exc) from exc
 try:
     import transformers
-except ImportError as exc:  # pragma: no cover - exercised only without transformers
-    raise ImportError(
-        "mpitree.adapters.transformers needs transformers: pip install transformers"
-    ) from exc
+except ImportError as exc:
+    raise missing(__name__, "transformers", exc) from exc
 
 from ._attention import ShardMask, attention_interface, mask_interface
 from ._cache import PLACEMENTS, ShardedCache

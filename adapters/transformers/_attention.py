@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers.masking_utils import and_masks, padding_mask_function, prepare_padding_mask
 
@@ -25,6 +26,8 @@ class ShardMask:
     mask_function: object
     batch_size: int
     use_vmap: bool
+    q_offset: int = 0  # global index of the first query, and of the first key, when a
+    kv_offset: int = 0  # forward's keys are all here (no ShardedCache: see _unsharded)
 
     def visible(self, queries, keys):
         """``(B, 1, Sq, T)`` bool: may query ``queries[i]`` see key ``keys[j]``."""
@@ -54,26 +57,29 @@ def mask_interface(
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     if padding is not None:
         mask_function = and_masks(mask_function, padding_mask_function(padding))
-    return ShardMask(mask_function, batch_size, use_vmap)
+    return ShardMask(mask_function, batch_size, use_vmap, int(q_offset), int(kv_offset))
 
 
-def _visible(mask, view, batch):
-    """Return the step's ``(B|1, 1|H, Sq, T)`` bool mask over this rank's keys."""
-    keys = view.layer.positions
+def _visible(mask, queries, keys, length, batch, sharded=False):
+    """Return the ``(B|1, 1|H, Sq, T)`` bool mask of ``queries`` over ``keys`` (global indices).
+
+    ``length`` is the global key count a 4-D mask must cover; ``sharded`` is True
+    under :func:`prefill`.
+    """
     if mask is None:  # transformers' convention: None means causal
-        return keys[None, None, None, :] <= view.queries[None, None, :, None]
+        return keys[None, None, None, :] <= queries[None, None, :, None]
     if isinstance(mask, ShardMask):
         if mask.batch_size != batch:
             raise ValueError(f"mask built for batch {mask.batch_size}, inputs have {batch}")
-        return mask.visible(view.queries, keys)
+        return mask.visible(queries, keys)
     if not isinstance(mask, torch.Tensor) or mask.ndim != 4:
         raise TypeError(f"attention_mask must be a 4-D tensor or None, got {type(mask).__name__}")
-    if mask.shape[-1] != view.layer.length or mask.shape[-2] != view.queries.numel():
+    if mask.shape[-1] != length or mask.shape[-2] != queries.numel():
         raise ValueError(
-            f"a 4-D attention_mask must cover (queries, keys) = ({view.queries.numel()}, "
-            f"{view.layer.length}), got {tuple(mask.shape)}"
+            f"a 4-D attention_mask must cover (queries, keys) = ({queries.numel()}, "
+            f"{length}), got {tuple(mask.shape)}"
         )
-    if view.sharded:
+    if sharded:
         raise ValueError("prefill takes a 2-D attention_mask, not a 4-D one")
     local = mask[..., keys]
     if local.dtype == torch.bool:
@@ -94,9 +100,10 @@ class Agreed:
 
 
 def _signature(query, key, scaling, sharding, sharded):
-    """Return the per-layer facts every rank must share within a step."""
+    """Return the per-layer facts every rank must share in a step (``sharding`` None: no cache)."""
     b, hq, sq, d = (int(s) for s in query.shape)
     return {
+        "cache": "unsharded" if sharding is None else "ShardedCache",
         "batch": b,
         "q_heads": hq,
         "q_len": 0 if sharded else sq,  # prefill: each rank holds its own chunk
@@ -104,8 +111,8 @@ def _signature(query, key, scaling, sharding, sharded):
         "head_dim": d,
         "dtype": extend.dtype_name(query.dtype),
         "scaling": None if scaling is None else float(scaling),
-        "strategy": sharding.strategy,
-        "deterministic": sharding.deterministic,
+        "strategy": None if sharding is None else sharding.strategy,
+        "deterministic": None if sharding is None else sharding.deterministic,
         "sharded prefill": sharded,
     }
 
@@ -127,13 +134,8 @@ class LayerStep:
                 f"this layer's attention {self.signature} differs from the step's first layer "
                 f"{self.agreed.signature}"
             )
-        ns = extend.namespace(self.query)
-        keep = _visible(self.mask, self.view, int(self.query.shape[0]))
-        if keep is not None and bool(keep.all()):
-            keep = None
-        self.att = extend.Attention(
-            ns, self.query, self.key, self.value, self.agreed.scale, None, keep
-        )
+        keep = _view_visible(self.mask, self.view, int(self.query.shape[0]))
+        self.att = _local_attention(self.query, self.key, self.value, self.agreed.scale, keep)
         return self.att
 
     def fill(self, records):
@@ -149,29 +151,75 @@ class LayerStep:
         self.att.attend_block(*args)
 
 
-def _agree_step(sharding, view, query, key, value, mask, scaling, signature):
+def _view_visible(mask, view, batch):
+    """Return the step's visibility over this rank's shard of ``view``'s layer."""
+    layer = view.layer
+    return _visible(mask, view.queries, layer.positions, layer.length, batch, view.sharded)
+
+
+def _local_attention(query, key, value, scale, keep):
+    """Return the :class:`extend.Attention` of ``query`` over ``key``/``value`` under ``keep``."""
+    if keep is not None and bool(keep.all()):
+        keep = None
+    return extend.Attention(extend.namespace(query), query, key, value, scale, None, keep)
+
+
+def _checked(query, key, value):
+    """Check the attention's tensors; return their :class:`extend.Problem`."""
+    ns, problem, _ = extend.check_qkv(query, key, value, names=("query", "key", "value"))
+    if ns.name != "torch":
+        raise TypeError("attn_implementation='mpitree' runs on torch tensors")
+    return problem
+
+
+def _step_positions(kw, batch, q_len):
+    """Return the step's ``(B, Sq)`` position ids from the attention's kwargs, or None."""
+    pos = kw.get("position_ids")
+    if not isinstance(pos, torch.Tensor) or pos.ndim != 2 or pos.shape[0] not in (1, batch):
+        return None
+    return pos.expand(batch, q_len) if pos.shape[1] == q_len else None
+
+
+def _refeed_error(view, positions):
+    """Return the error for a step that feeds tokens the cache already holds."""
+    return ValueError(
+        f"in no batch row does this step (position ids up to {int(positions.max())}) go past "
+        f"the {view.start} tokens the ShardedCache already holds: they would be cached "
+        "twice. generate(input_ids, past_key_values=cache) re-runs the whole prompt "
+        "when the cache already holds every token of input_ids; the cache must hold a strict "
+        "prefix, e.g. mtt.prefill(model, input_ids[:, :-1], cache, attention_mask="
+        "mask[:, :-1]) then generate(input_ids, attention_mask=mask, past_key_values=cache), "
+        "or append the next token (prefill's logits) to input_ids"
+    )
+
+
+def _agree_step(sharding, view, query, key, value, mask, scaling, signature, positions):
     """Run the step's one agreement (first attention call): checks, signature, merger."""
 
     def prepare():
         if view.error is not None:
             raise view.error
-        ns, problem, _ = extend.check_qkv(query, key, value, names=("query", "key", "value"))
-        if ns.name != "torch":
-            raise TypeError("attn_implementation='mpitree' runs on torch tensors")
-        _visible(mask, view, problem.batch)
+        history = None
+        if not view.sharded:
+            if sharding.refed(positions, view.start):
+                raise _refeed_error(view, positions)
+            history = sharding.extended(positions, view.start)
+        problem = _checked(query, key, value)
+        _view_visible(mask, view, problem.batch)
         opts = extend.Options.resolve(
             problem.head_dim, sharding.strategy, scaling, sharding.deterministic
         )
         width = problem.head_dim + 2
         op = extend.op_needed(opts.strategy, opts.deterministic, problem.acc, problem.head_dim)
         return extend.Call(
-            signature, (problem, opts), op=(problem.acc, width) if view.sharded else op
+            signature, (problem, opts, history), op=(problem.acc, width) if view.sharded else op
         )
 
     call = extend.agree(sharding.comm, prepare)
-    problem, opts = call.payload
+    problem, opts, history = call.payload
     merger = None
     if not view.sharded:
+        sharding.history = history
         chosen = extend.resolve(opts.strategy, sharding.comm, call.native, 0, opts.deterministic)
         merger = extend.merger_for(
             sharding.comm, problem.rows, problem.head_dim, problem.acc, chosen, like=query
@@ -191,7 +239,10 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
         ``(B, Hq, Sq, D)``, identical on every rank (except under :func:`prefill`).
     key, value : torch.Tensor
         ``(B, Hkv, T_local, D)``: this rank's shard, as returned by
-        :class:`ShardedCache` (GQA handled without repeating K/V).
+        :class:`ShardedCache` (GQA handled without repeating K/V). Without a
+        ShardedCache (``use_cache=False``, or transformers' own cache), the
+        forward's whole ``(B, Hkv, T, D)``, the same on every rank: attended
+        locally, exactly, with no merge.
     attention_mask : ShardMask, torch.Tensor or None
         From the "mpitree" mask function, a 4-D bool or 0/-inf float mask over
         the global sequence, or None (causal).
@@ -213,31 +264,29 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
     -----
     A model step (one forward pass) costs one agreement collective, in its first
     attention call, and one merge per layer. Every later layer's checks run
-    inside its merge, so a rank that diverges mid-step raises on every rank.
+    inside its merge, so a rank that diverges mid-step raises on every rank; a
+    step that fails its agreement leaves the cache as it was. Without a
+    ShardedCache, each call is local attention followed by one agreement over
+    mpitree's default communicator, so every rank must run the forward (a rank
+    with a ShardedCache while another has none raises on every rank).
     """
     view = getattr(key, "mpitree_view", None)
+    error = _unsupported(attention_mask, dropout, kw)
     if view is None:
-        raise TypeError(
-            "attn_implementation='mpitree' needs past_key_values=ShardedCache(...) "
-            "(from mpitree.adapters.transformers) and use_cache=True"
-        )
-    if dropout:
-        view.error = view.error or ValueError(
-            "attn_implementation='mpitree' is for inference: dropout must be 0"
-        )
-    if kw.get("softcap") is not None:
-        view.error = view.error or ValueError("attn_implementation='mpitree' has no softcap")
-    if kw.get("sliding_window") is not None and attention_mask is None:
-        # a window is honoured through the mask, which transformers builds with it
-        view.error = view.error or ValueError(
-            "attn_implementation='mpitree' needs a mask for sliding_window"
-        )
+        out = _unsharded(query, key, value, attention_mask, scaling, error)
+        return out.transpose(1, 2).contiguous(), None
+    view.error = view.error or error
     sharding = view.layer.sharding
     signature = _signature(query, key, scaling, sharding, view.sharded)
     if sharding.agreed is None:  # the step's first attention call: every rank is here
-        sharding.agreed = _agree_step(
-            sharding, view, query, key, value, attention_mask, scaling, signature
-        )
+        positions = _step_positions(kw, int(query.shape[0]), int(query.shape[2]))
+        try:
+            sharding.agreed = _agree_step(
+                sharding, view, query, key, value, attention_mask, scaling, signature, positions
+            )
+        except Exception:
+            view.layer.rollback(view)  # a failed step leaves the cache as it was
+            raise
     step = LayerStep(view, query, key, value, attention_mask, sharding.agreed, signature)
     if view.sharded:
         out = sharded_attention(query, step)
@@ -245,3 +294,45 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
         records = sharding.agreed.merger.merge(step)
         out = extend.finish(records.reshape(*query.shape[:3], -1), query)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _unsupported(mask, dropout, kw):
+    """Return the error for what the "mpitree" attention does not do, or None."""
+    if dropout:
+        return ValueError("attn_implementation='mpitree' is for inference: dropout must be 0")
+    if kw.get("softcap") is not None:
+        return ValueError("attn_implementation='mpitree' has no softcap")
+    if kw.get("sliding_window") is not None and mask is None:
+        # a window is honoured through the mask, which transformers builds with it
+        return ValueError("attn_implementation='mpitree' needs a mask for sliding_window")
+    return None
+
+
+def _unsharded(query, key, value, mask, scaling, error):
+    """Attend over K/V that every rank holds whole: ``use_cache=False``, or not a ShardedCache.
+
+    Every rank runs the same forward, so each has all of its keys and local
+    attention is exact with no merge. It still joins one agreement (over
+    mpitree's default communicator), which carries its verdict: a rank whose
+    model runs with a :class:`ShardedCache` while another's does not raises on
+    every rank instead of waiting in a merge. All local work runs before it, so
+    nothing can fail on some ranks only afterwards.
+    """
+
+    def prepare():
+        if error is not None:
+            raise error
+        problem = _checked(query, key, value)
+        b, hq, sq, d = (int(s) for s in query.shape)
+        t = int(key.shape[2])
+        q0, k0 = (mask.q_offset, mask.kv_offset) if isinstance(mask, ShardMask) else (t - sq, 0)
+        queries = torch.arange(q0, q0 + sq, device=query.device)
+        keys = torch.arange(k0, k0 + t, device=query.device)
+        keep = _visible(mask, queries, keys, t, problem.batch)
+        scale = extend.Options.resolve(d, scale=scaling).scale
+        records = np.empty((b, hq, sq, d + 2), dtype=problem.acc)
+        _local_attention(query, key, value, scale, keep).fill(records)
+        signature = _signature(query, key, scaling, None, False)
+        return extend.Call(signature, extend.finish(records, query))
+
+    return extend.agree(extend.check_comm(None), prepare).payload

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -29,9 +30,47 @@ class Sharding:
     pending: object = None
     # what all ranks agreed on in this model step's first attention (None: not yet)
     agreed: object = None
+    # (B, length) int64: the model's position id of every cached token, per batch row; the
+    # same on every rank (None: unknown, e.g. a model that passes no position_ids to attention)
+    history: torch.Tensor | None = None
 
     def __post_init__(self):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+
+    def __deepcopy__(self, memo):
+        """Copy the state and share the communicator (MPI communicators are never copied)."""
+        twin = copy.copy(self)
+        twin.pending = twin.agreed = None
+        twin.history = copy.deepcopy(self.history, memo)
+        return twin
+
+    def refed(self, positions, before):
+        """Return whether a step at ``positions`` ``(B, Sq)`` stays within ``before`` cached tokens.
+
+        In every row, no new position goes past the cached ones: the step feeds
+        tokens the cache already holds (``generate`` re-runs a prompt that the
+        cache holds entirely), which would store them twice.
+        """
+        history = self.history
+        if positions is None or history is None or tuple(history.shape) != (len(positions), before):
+            return False
+        return before > 0 and bool((positions.amax(-1) <= history.amax(-1).to(positions)).all())
+
+    def extended(self, positions, before):
+        """Return the history of ``before`` cached tokens with a step's ``(B, Sq)`` positions."""
+        history = self.history
+        if positions is None or (before and history is None):
+            return None
+        if before == 0:
+            return positions.clone()
+        if tuple(history.shape) != (len(positions), before):
+            return None
+        return torch.cat([history, positions.to(history.device)], 1)
+
+    def follow_rows(self, select):
+        """Apply a batch operation ``select`` (reorder, repeat, select) to the per-row history."""
+        if self.history is not None:
+            self.history = select(self.history)
 
     def owners(self, start, stop, prompt):
         """Owning rank of global tokens ``start..stop-1``; ``prompt`` tokens came first."""
@@ -55,6 +94,7 @@ class View:
     layer: ShardedLayer
     queries: torch.Tensor  # (Sq,) int64 global indices of the queries this rank attends for
     sharded: bool  # True under :func:`prefill`: queries are every rank's chunk, rank-major
+    start: int  # the layer's global length before this step
     error: Exception | None = None  # the cache update failed on this rank: raised in the guard
 
 
@@ -91,7 +131,9 @@ class ShardedLayer(CacheLayerMixin):
             return self._update(key_states, value_states)
         except Exception as exc:
             keys = key_states[:, :, :0]
-            keys.mpitree_view = View(self, torch.empty(0, dtype=torch.long), False, exc)
+            keys.mpitree_view = View(
+                self, torch.empty(0, dtype=torch.long), False, self.length, exc
+            )
             return keys, value_states[:, :, :0]
 
     def _update(self, key_states, value_states):
@@ -101,10 +143,12 @@ class ShardedLayer(CacheLayerMixin):
         if key_states.shape[0] != self.keys.shape[0] or key_states.shape[1] != self.keys.shape[1]:
             raise ValueError(
                 f"ShardedCache: the batch or kv heads changed from {tuple(self.keys.shape[:2])} "
-                f"to {tuple(key_states.shape[:2])}; call cache.reset() or use a new cache "
-                "(beam search, num_beams > 1, is not supported)"
+                f"to {tuple(key_states.shape[:2])}; to run generate(num_beams=n or "
+                "num_return_sequences=n) from a filled cache, expand it first with "
+                "cache.batch_repeat_interleave(n); otherwise call cache.reset() or use a new cache"
             )
         new = key_states.shape[-2]
+        start = self.length
         step = self.sharding.pending
         if step is not None:  # sharded prefill: every incoming token is this rank's
             if self.length or new != max(step.mine.numel(), 1):  # 1: a stand-in token
@@ -127,8 +171,12 @@ class ShardedLayer(CacheLayerMixin):
             self.values = torch.cat([self.values, v], dim=-2)
             self.positions = torch.cat([self.positions, owned.to(self.device)])
         self.length = stop
-        self.keys.mpitree_view = View(self, queries.to(self.device), step is not None)
+        self.keys.mpitree_view = View(self, queries.to(self.device), step is not None, start)
         return self.keys, self.values
+
+    def rollback(self, view):
+        """Drop the tokens the step of ``view`` stored (its agreement failed on some rank)."""
+        self.crop(min(view.start - self.length, 0))
 
     def get_mask_sizes(self, query_length):
         """Global key count and offset the step's mask must cover."""
@@ -160,6 +208,23 @@ class ShardedLayer(CacheLayerMixin):
         self.is_initialized = False
         self.length = self.prompt = 0
         self.positions = torch.empty(0, dtype=torch.long)
+
+    def batch_repeat_interleave(self, repeats):
+        """Repeat each batch row of this shard ``repeats`` times, next to it (beam expansion)."""
+        if self.is_initialized:  # an empty shard too: its batch must follow the other ranks'
+            self.keys = self.keys.repeat_interleave(repeats, dim=0)
+            self.values = self.values.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices):
+        """Keep the batch rows ``indices`` of this rank's shard, in that order."""
+        if self.is_initialized:
+            self.keys, self.values = self.keys[indices, ...], self.values[indices, ...]
+
+    def reorder_cache(self, beam_idx):
+        """Reorder the batch rows of this rank's shard as ``beam_idx`` says (beam search)."""
+        if self.is_initialized:
+            self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
+            self.values = self.values.index_select(0, beam_idx.to(self.values.device))
 
 
 class ShardedCache(Cache):
@@ -196,6 +261,20 @@ class ShardedCache(Cache):
     ValueError, TypeError
         On every rank, when any rank's arguments are invalid or differ from the
         others' (one small collective at construction).
+
+    Notes
+    -----
+    Like ``DynamicCache``, it has ``crop``, ``reorder_cache`` (beam search),
+    ``batch_repeat_interleave`` and ``batch_select_indices``: each rank applies them
+    to its own shard, with no communication, so every rank must call them alike
+    (a rank that does not raises on every rank at the next step). The cache also
+    keeps, on every rank, each row's position ids, which follow the rows; a step
+    whose positions go past the cached ones in no row (``generate(ids)`` on a cache
+    that already holds all of ``ids`` re-runs the whole prompt) raises on every
+    rank and leaves the cache as it was.
+
+    ``copy.deepcopy(cache)`` copies the shards and shares the communicator, so a
+    prefilled prompt can be reused, as with ``DynamicCache``.
     """
 
     @extend.entry_point
@@ -239,6 +318,31 @@ class ShardedCache(Cache):
         while len(self.layers) <= layer_idx:
             self.layers.append(ShardedLayer(self.sharding))
         return self.layers[layer_idx].update(key_states, value_states)
+
+    def crop(self, tokens_to_remove):
+        """Drop the last ``-tokens_to_remove`` global tokens of every layer (negative count)."""
+        super().crop(tokens_to_remove)
+        self.sharding.follow_rows(lambda history: history[:, : self.get_seq_length()])
+
+    def reset(self):
+        """Forget every token of every layer."""
+        super().reset()
+        self.sharding.history = None
+
+    def reorder_cache(self, beam_idx):
+        """Reorder the batch rows of every layer's shard as ``beam_idx`` says (beam search)."""
+        super().reorder_cache(beam_idx)
+        self.sharding.follow_rows(lambda history: history[beam_idx.to(history.device)])
+
+    def batch_repeat_interleave(self, repeats):
+        """Repeat each batch row ``repeats`` times, next to it (before ``num_beams=repeats``)."""
+        super().batch_repeat_interleave(repeats)
+        self.sharding.follow_rows(lambda history: history.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices):
+        """Keep the batch rows ``indices``, in that order."""
+        super().batch_select_indices(indices)
+        self.sharding.follow_rows(lambda history: history[indices, ...])
 
     @property
     def comm(self):

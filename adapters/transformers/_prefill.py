@@ -77,31 +77,48 @@ def _digest(x):
 
 @extend.entry_point
 def prefill(model, input_ids, cache, attention_mask=None):
-    """Prefill ``cache`` with all but the last prompt token, sharded over the ranks.
+    """Run the whole prompt into an empty ``cache``, sharding its work; return the next logits.
 
-    Each rank runs the model only on the prompt tokens its placement assigns it
-    (with their true positions), so the dense layers' work is split ``p`` ways;
-    the causal attention across chunks goes through the tree reduction
-    (queries all-gathered, states merged by one ``Reduce_scatter``). Then call
-    ``model.generate(input_ids, attention_mask=..., past_key_values=cache)``: it
-    runs the last prompt token as an ordinary step and generates from there.
+    Afterwards ``cache`` holds every token of ``input_ids``, as after
+    ``model(input_ids, past_key_values=cache)``, and the logits are those of the
+    last prompt token. Each rank runs the model only on the prompt tokens its
+    placement assigns it (with their true positions), so the dense layers' work
+    is split ``p`` ways; the causal attention across chunks goes through the
+    tree reduction (queries all-gathered, states merged by one
+    ``Reduce_scatter``). The last token then runs as an ordinary step on every
+    rank, which hands every rank its logits.
+
+    As with any transformers cache, ``generate`` needs input_ids that go past
+    what the cache holds. To let ``generate`` produce every token after a prompt
+    ``ids``, prefill ``ids[:, :-1]`` (and ``attention_mask[:, :-1]``) and pass
+    ``ids`` to ``generate``; to reuse a prefilled prompt for several
+    continuations, pass ``generate`` the prompt plus each continuation and a
+    ``copy.deepcopy(cache)``. ``generate(ids, past_key_values=cache)`` on a cache
+    that already holds all of ``ids`` would feed the prompt a second time: it
+    raises ``ValueError`` on every rank and leaves the cache as it was.
 
     Parameters
     ----------
     model : transformers.PreTrainedModel
         A causal LM set to ``attn_implementation="mpitree"``, the same on every rank.
     input_ids : torch.Tensor
-        ``(B, N)`` int64 prompt, identical on every rank; ``N >= 2`` to prefill anything.
+        ``(B, N)`` int64 prompt, ``N >= 1``, identical on every rank.
     cache : ShardedCache
         Empty.
     attention_mask : torch.Tensor, optional
         ``(B, N)`` with 0 at (left) padding, as for ``generate``.
 
+    Returns
+    -------
+    torch.Tensor
+        ``(B, V)`` logits after the last prompt token, in the model's dtype,
+        identical on every rank.
+
     Raises
     ------
     ValueError, TypeError
         On every rank, when any rank's arguments are invalid (the cache not empty,
-        shapes that do not match) or ranks pass different prompts.
+        an empty prompt, shapes that do not match) or ranks pass different prompts.
     """
     from ._cache import ShardedCache
 
@@ -117,6 +134,8 @@ def prefill(model, input_ids, cache, attention_mask=None):
             raise ValueError("prefill needs an empty ShardedCache")
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
             raise ValueError(f"input_ids must be a (B, N) tensor, got {input_ids!r:.60}")
+        if input_ids.shape[1] < 1:
+            raise ValueError("input_ids must hold at least one token")
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise ValueError(
                 f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
@@ -127,23 +146,37 @@ def prefill(model, input_ids, cache, attention_mask=None):
         return extend.Call(sig)
 
     extend.agree(extend.check_comm(getattr(cache, "comm", None)), prepare)
-    total = input_ids.shape[1] - 1
-    if total < 1:
-        return
-    step = plan(cache.sharding, total)
+    batch, total = input_ids.shape[0], input_ids.shape[1] - 1  # all but the last, sharded
     if attention_mask is None:
-        positions = torch.arange(total, device=input_ids.device)[None]
-        mask = None
+        positions = torch.arange(total + 1, device=input_ids.device)[None].expand(batch, -1)
     else:  # generate's rule: count real tokens; padding gets position 0
-        mask = attention_mask[:, :total]
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    with torch.no_grad():
+        if total:
+            _sharded_step(model, input_ids, cache, attention_mask, positions, total)
+        cache.sharding.history = positions[:, :total].clone()
+        out = model(
+            input_ids=input_ids[:, total:],
+            attention_mask=attention_mask,
+            position_ids=positions[:, total:],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    return out.logits[:, -1]
+
+
+def _sharded_step(model, input_ids, cache, attention_mask, positions, total):
+    """Run this rank's tokens of the prompt's first ``total`` into ``cache``."""
+    step = plan(cache.sharding, total)
+    mask = None if attention_mask is None else attention_mask[:, :total]
     # A rank without prompt tokens still joins every layer's collectives: it runs
     # one stand-in token (transformers cannot run an empty sequence) that it
     # neither stores nor sends, and whose output it discards.
     mine = step.mine.to(input_ids.device)
     if not mine.numel():
         mine = torch.zeros(1, dtype=torch.long, device=input_ids.device)
-    with torch.no_grad(), cache._prefilling(step):
+    with cache._prefilling(step):
         model(
             input_ids=input_ids[:, mine],
             attention_mask=mask,

@@ -20,13 +20,13 @@ COMMANDS = {
     "merge": (merge_cli, "time one cross-rank merge with every method"),
 }
 PLOT_HINT = (
-    "--plot needs matplotlib, which does not import here: install it with "
+    "--plot needs matplotlib, which failed to import on at least one rank: install it with "
     "pip install -e '.[bench]' from the mpitree checkout, or pip install matplotlib"
 )
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show each option's default, except where there is none (None) or it is a flag (False)."""
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Show each option's default (not None, not a flag's False); keep descriptions' lines."""
 
     def _get_help_string(self, action):
         if action.default is None or action.default is False:

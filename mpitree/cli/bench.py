@@ -9,7 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import __version__
-from .._kernel import native_kernel_available, read_seconds
+from .._kernel import kernel_isa, native_kernel_available, read_seconds
 from .._local import local_state, state_records
 from .._namespace import namespace
 from .._op import native_op_available
@@ -98,6 +98,7 @@ def environment(comm):
         "mpitree": __version__,
         "native_op": native_op_available(),
         "native_kernel": native_kernel_available(),
+        "kernel_build": kernel_isa() if native_kernel_available() else "numpy (no C kernel)",
     }
 
 
@@ -228,7 +229,7 @@ def report(env, cells, steps):
         f"BLAS threads {env['blas_threads']}"
     )
     print(f"MPI: {' '.join(env['mpi_library'].split())}")
-    print(f"CPU: {env['cpu']}")
+    print(f"CPU: {env['cpu']}; local kernel: {env['kernel_build']}")
     short = {"local (C kernel)": "local", "hierarchical": "hierarch."}
     timed = ("local (C kernel)", *STRATEGIES)
     noisy = False

@@ -63,7 +63,7 @@ def add_arguments(parser):
         default=None,
         help="PASS if every strategy's max |err| vs the float64 reference is at most this, "
         "else FAIL and exit 1 (default: per dtype, "
-        + ", ".join(f"{d} {t:g}" for d, t in DEFAULT_TOLERANCE.items())
+        + ", ".join(f"{d} {t:.0e}" for d, t in DEFAULT_TOLERANCE.items())
         + "; K and V are standard normal)",
     )
 
@@ -122,8 +122,9 @@ def run(args):
         )
         if p == 1:
             print(
-                f"running on 1 rank: launch with {launch_hint()} to shard the cache "
-                "(the ring and overhead columns need 2 or more ranks)",
+                f"running on 1 rank: launch with {launch_hint()} to shard the cache\n"
+                "(the ring comparison and overhead columns need 2 or more ranks, so they are "
+                "left out)",
                 flush=True,
             )
 
@@ -194,10 +195,11 @@ def run(args):
         for i, name in enumerate(names):
             err = "-" if i == 0 else f"{ref_err[name]:.2e}"
             check = "-" if i == 0 else ("ok" if passed[name] else "FAIL")
-            row = f"{name:<12} {err:>17} {check:>6} {med[i]:>10.2f} {lo[i]:>6.2f}-{hi[i]:<7.2f}"
+            spread = f"{lo[i]:.2f}-{hi[i]:.2f}"
+            row = f"{name:<12} {err:>17} {check:>6} {med[i]:>10.2f} {spread:>14}"
             if p > 1:
                 row += f" {overs[i]:>14} {ring / med[i]:>7.2f}x"
-            print(row.rstrip())
+            print(row)
         print(
             f"\nslowest rank's time per step, median of {args.steps} interleaved steps "
             f"after {args.warmup} warm-up steps"

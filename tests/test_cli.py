@@ -1,0 +1,154 @@
+"""The command line: versions, verdicts, hints, help text, table widths and early errors."""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+from launch import run
+
+import mpitree
+from mpitree.cli import build_parser
+
+PY = sys.executable
+SMALL_DEMO = ["demo", "--tokens", "2048", "--steps", "2", "--warmup", "1"]
+# main() on every rank, then each rank reports the exit code it is about to return
+EXIT_PER_RANK = (
+    "import sys; from mpi4py import MPI; from mpitree.cli import main; rc = main(sys.argv[1:]); "
+    "print(f'rank {MPI.COMM_WORLD.rank} exits {rc}', flush=True); sys.exit(rc)"
+)
+NEGATIVE = re.compile(r"(^|\s)-\d")  # a cell holding a negative number
+
+
+def serial(args, env=None, timeout=60):
+    """Run ``python args`` as one process, without mpiexec."""
+    return subprocess.run(
+        [PY, *args],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_version():
+    res = serial(["-m", "mpitree", "--version"])
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == f"mpitree {mpitree.__version__}"
+    assert lines[1].startswith("MPI library: ")
+    assert lines[2].startswith("mpi4py ")
+
+
+def test_demo_on_one_rank_hints_and_passes():
+    res = serial(["-m", "mpitree", *SMALL_DEMO])
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "running on 1 rank: launch with " in out
+    assert re.search(r"mpiexec -n 4 \S*python\S* -m mpitree demo", out)
+    assert "vs ring" not in out and "over local" not in out
+    assert out.splitlines()[-1].startswith("PASS")
+    assert "demo [" not in out and "demo [" in res.stderr  # progress on stderr only
+
+
+def test_demo_on_two_ranks_passes():
+    res = run(2, [PY, "-m", "mpitree", *SMALL_DEMO], timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "running on 1 rank" not in out
+    assert "vs ring" in out and "over local ms" in out
+    assert out.splitlines()[-1].startswith("PASS")
+    table = out[out.index("strategy") : out.index("slowest rank")]
+    assert not NEGATIVE.search(table), table
+    assert res.stderr.count("demo [##############################]") == 1  # rank 0 only
+
+
+def test_demo_failure_is_agreed_by_every_rank():
+    res = run(2, [PY, "-c", EXIT_PER_RANK, *SMALL_DEMO, "--tolerance", "1e-30"], timeout=120)
+    assert res.returncode != 0
+    assert "FAIL: allreduce" in res.stdout
+    assert "rank 0 exits 1" in res.stdout and "rank 1 exits 1" in res.stdout
+
+
+def test_plot_without_matplotlib_fails_before_any_work(tmp_path):
+    (tmp_path / "matplotlib.py").write_text("raise ImportError('matplotlib blocked')\n")
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    figure = tmp_path / "fig.png"
+    res = run(
+        2,
+        [PY, "-m", "mpitree", "bench", "--quick", "--tokens", "300", "--plot", str(figure)],
+        env={"PYTHONPATH": path},
+        timeout=60,
+    )
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.count("pip install -e '.[bench]'") == 2  # every rank says why
+    assert "pip install matplotlib" in res.stderr
+    assert "bench [" not in res.stderr and res.stdout == "" and not figure.exists()
+
+
+def subparsers(parser):
+    """Yield (name, parser) for the top-level parser and each subcommand's."""
+    yield "python -m mpitree", parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield from action.choices.items()
+
+
+def test_every_option_has_help_and_shows_its_default():
+    for name, parser in subparsers(build_parser()):
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            assert action.help and action.help.strip(), (name, action.option_strings)
+            if action.default not in (None, False, argparse.SUPPRESS):
+                assert f"(default: {action.default})" in text, (name, action.option_strings)
+
+
+def test_bench_tables_fit_in_100_columns():
+    res = run(
+        2,
+        [PY, "-m", "mpitree", "bench", "--quick", "--tokens", "300", "--workloads", "llama3-8b"],
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert "overhead over local attention, ms: median step time minus local's" in lines
+    assert all(len(line) <= 100 for line in lines), max(lines, key=len)
+    assert not any("=" in line for line in lines if line[:8].strip().isdigit())  # no key=value
+    assert not NEGATIVE.search(res.stdout)
+
+
+def test_model_warns_when_extrapolating_a_calibration(tmp_path):
+    p, cells = 4, []
+    for n in (4096, 8192, 16384):
+        per_rank = 2 * 8 * 128 * 4 * n / p
+        local = 1e-4 + per_rank / 10e9
+        cells.append(
+            {
+                "tokens": n,
+                "ranks": p,
+                "paper": {"eq31_ring_bytes": per_rank * p},
+                "bytes_sent_per_rank": {"ring": (p - 1) * per_rank},
+                "times": {
+                    "local (C kernel)": {"median_ms": local * 1e3},
+                    "ring": {"median_ms": (p * local + (p - 1) * per_rank / 2e9) * 1e3},
+                    "allreduce": {"median_ms": (local + 1e-4) * 1e3},
+                },
+            }
+        )
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"results": cells}))
+    model = ["-m", "mpitree", "model", "--calibrate", str(bench)]
+
+    inside = serial([*model, "--ranks", "4,8", "--tokens", "4096,32768"])
+    assert inside.returncode == 0 and inside.stderr == "", inside.stderr
+
+    far = serial([*model, "--ranks", "4,64", "--tokens", "8192,1048576"])
+    assert far.returncode == 0, far.stderr
+    assert "measured ranks = 4;" in far.stderr and "ranks = 64 extrapolate" in far.stderr
+    assert "measured tokens = 4096 to 16384;" in far.stderr
+    assert "tokens = 1048576 extrapolate" in far.stderr
