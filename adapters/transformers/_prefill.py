@@ -11,6 +11,8 @@ import torch
 from mpitree import extend
 from mpitree._strategies.scatter import allgather_rows, reduce_scatter_records
 
+from . import _staircase as staircase
+
 
 @dataclass(frozen=True)
 class Prefill:
@@ -59,8 +61,17 @@ def sharded_attention(query, step):
         q_all = torch.from_numpy(every).permute(1, 2, 0, 3).to(query.device, query.dtype)
         att = step.prepare()
         att.q = q_all
-        state = np.empty((b, hq, every.shape[0], d + 2), dtype=acc)
-        att.fill(state)
+        keys = step.view.layer.positions
+        key_ok = None
+        if att.k.shape[2] and np.dtype(acc) == np.float32 and staircase.available(q_all):
+            key_ok = staircase.key_rows(att.vis, prefill_step.queries, keys)
+        if key_ok is None:  # windows, per-head masks, float64: the general kernel
+            state = np.empty((b, hq, every.shape[0], d + 2), dtype=acc)
+            att.fill(state)
+        else:
+            state = staircase.staircase_records(
+                att.q, att.k, att.v, att.scale, prefill_step.queries, keys, key_ok
+            ).numpy()
         out[...] = state.transpose(2, 0, 1, 3).reshape(rows, d + 2)
 
     merged = reduce_scatter_records(comm, records, prefill_step.counts, b * hq, fill)
