@@ -22,6 +22,7 @@ every position must agree within ``--tolerance`` (float32). The example prints
 """
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -117,6 +118,8 @@ def main():
     parser.add_argument(
         "--reference", choices=["eager", "sdpa", "none"], help="default: eager, sdpa for --llama8b"
     )
+    parser.add_argument("--reference-threads", type=int, help="default: every core")
+    parser.add_argument("--json", help="append this run's figures to this JSON-lines file")
     args = parser.parse_args()
     if not 2 <= args.forced + 1 <= 1024:
         parser.error("--forced must be in 1..1023 (distinct ids from a 1024-token vocabulary)")
@@ -147,15 +150,19 @@ def main():
         f"D {shape['head_dim']}, float32; placement {args.placement}"
     )
 
-    ref = None
+    ref, record = None, {"ranks": size, "context": args.context, "batch": args.batch, **shape}
     if rank == 0 and reference != "none":
-        torch.set_num_threads(cores)
+        torch.set_num_threads(args.reference_threads or cores)
         seq, logits, clock, ref_cache = generate(model, ids, reference, args.new_tokens)
         ref_cache.crop(args.context - 1 - ref_cache.get_seq_length())  # back to ids[:, :-1]
         ref = seq, logits, forced_logits(model, ref_cache, forced)
         prompt = clock.times[0] - clock.start
+        threads = torch.get_num_threads()
+        record["reference"] = dict(
+            impl=reference, threads=threads, ttft_s=prompt, tok_s=clock.rate(args.batch)
+        )
         say(
-            f"1 process, {reference}, {cores} threads: prompt {prompt:.1f} s, "
+            f"1 process, {reference}, {threads} threads: prompt {prompt:.1f} s, "
             f"decode {clock.rate(args.batch):.2f} tok/s"
         )
     wait_quietly(comm)
@@ -164,6 +171,7 @@ def main():
     strategies = args.strategies.split(",")
     cache = mtt.ShardedCache(config, placement=args.placement, strategy=strategies[0])
     model.set_attn_implementation("mpitree")
+    took = 0.0
     if args.prefill == "sharded":
         start = time.perf_counter()
         mtt.prefill(model, ids[:, :-1], cache)  # generate runs the last prompt token
@@ -180,6 +188,8 @@ def main():
         cache.crop(args.context - 1 - cache.get_seq_length())  # back to ids[:, :-1]
         teacher = forced_logits(model, cache, forced)
         rows.append((strategy, seq, logits, clock.rate(args.batch), teacher))
+        record.setdefault("mpitree_ttft_s", took + clock.times[0] - clock.start)
+    record["mpitree_prefill"] = args.prefill
 
     failed = False
     if rank == 0:
@@ -194,6 +204,7 @@ def main():
         worst, all_same = 0.0, True
         for strategy, seq, logits, rate, teacher in rows:
             same, diff, tf = "-", "-", "-"
+            record[strategy] = {"tok_s": rate}
             if ref is not None:
                 same = "yes" if torch.equal(seq, ref[0]) else "NO"
                 gap = float((logits - ref[1]).abs().max())
@@ -202,6 +213,9 @@ def main():
                 all_same &= same == "yes"
                 failed |= same == "NO" or not tf_gap <= args.tolerance
                 diff, tf = f"{gap:.1e}", f"{tf_gap:.1e}"
+                record[strategy].update(
+                    tokens_equal=same == "yes", max_dlogit=gap, forced_dlogit=tf_gap
+                )
             print(f"{strategy:<12}{same:>14}{diff:>14}{tf:>17}{rate:>9.2f}{rate / slowest:>9.2f}x")
         if ref is not None:
             verdict = "FAIL" if failed else "PASS"
@@ -210,6 +224,11 @@ def main():
                 f"within {args.tolerance:g} of one process (max |dlogit| {worst:.1e}); greedy "
                 f"tokens {'equal' if all_same else 'DIFFER'}"
             )
+            ttft = record["mpitree_ttft_s"] / record["reference"]["ttft_s"]
+            print(f"time to first token: mpitree / one process = {ttft:.2f}")
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(record) + "\n")
     if comm.allreduce(failed, op=MPI.LOR):
         sys.exit(1)
 

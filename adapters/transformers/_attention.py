@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -97,6 +97,8 @@ class Agreed:
     signature: dict
     scale: float
     merger: object  # the shared merger for the step's decode layers (None under prefill)
+    # visibility per (mask, shard length): every layer of a step shares it
+    visible: dict = field(default_factory=dict)
 
 
 def _signature(query, key, scaling, sharding, sharded):
@@ -134,8 +136,11 @@ class LayerStep:
                 f"this layer's attention {self.signature} differs from the step's first layer "
                 f"{self.agreed.signature}"
             )
-        keep = _view_visible(self.mask, self.view, int(self.query.shape[0]))
-        self.att = _local_attention(self.query, self.key, self.value, self.agreed.scale, keep)
+        keep = _step_visible(self.agreed.visible, self.mask, self.view, int(self.query.shape[0]))
+        ns = extend.namespace(self.query)
+        self.att = extend.Attention(
+            ns, self.query, self.key, self.value, self.agreed.scale, None, keep
+        )
         return self.att
 
     def fill(self, records):
@@ -155,6 +160,21 @@ def _view_visible(mask, view, batch):
     """Return the step's visibility over this rank's shard of ``view``'s layer."""
     layer = view.layer
     return _visible(mask, view.queries, layer.positions, layer.length, batch, view.sharded)
+
+
+def _step_visible(memo, mask, view, batch):
+    """Return ``_view_visible`` (None when all visible), computed once per step and mask.
+
+    Every layer of a step has the same mask object (one per layer type) and the
+    same global key indices, so the first layer's visibility serves them all.
+    The memo holds the mask, so its ``id`` cannot be reused within the step.
+    """
+    layer = view.layer
+    key = (id(mask), view.sharded, int(layer.positions.numel()), layer.length)
+    if key not in memo:
+        keep = _view_visible(mask, view, batch)
+        memo[key] = (mask, None if keep is not None and bool(keep.all()) else keep)
+    return memo[key][1]
 
 
 def _local_attention(query, key, value, scale, keep):
