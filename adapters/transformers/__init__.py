@@ -34,14 +34,21 @@ except ImportError as exc:
 
 from ._attention import ShardMask, attention_interface, mask_interface
 from ._cache import PLACEMENTS, ShardedCache
+from ._drafters import Drafter, DraftModel, PromptLookup
+from ._generate import Speculation, generate
 from ._prefill import prefill
 from ._spec import verify
 
 __all__ = [
     "PLACEMENTS",
+    "DraftModel",
+    "Drafter",
+    "PromptLookup",
     "ShardMask",
     "ShardedCache",
+    "Speculation",
     "attention_interface",
+    "generate",
     "mask_interface",
     "prefill",
     "register",

@@ -33,6 +33,8 @@ class Sharding:
     # (B, length) int64: the model's position id of every cached token, per batch row; the
     # same on every rank (None: unknown, e.g. a model that passes no position_ids to attention)
     history: torch.Tensor | None = None
+    # while :meth:`ShardedCache._capturing` runs: every layer's incoming (keys, values), in order
+    captured: list | None = None
 
     def __post_init__(self):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
@@ -40,7 +42,7 @@ class Sharding:
     def __deepcopy__(self, memo):
         """Copy the state and share the communicator (MPI communicators are never copied)."""
         twin = copy.copy(self)
-        twin.pending = twin.agreed = None
+        twin.pending = twin.agreed = twin.captured = None
         twin.history = copy.deepcopy(self.history, memo)
         return twin
 
@@ -315,6 +317,8 @@ class ShardedCache(Cache):
         """Store this rank's share of the new K/V for ``layer_idx``; return the shard."""
         if layer_idx == 0:  # a new model step: its first attention agrees afresh
             self.sharding.agreed = None
+        if self.sharding.captured is not None:
+            self.sharding.captured.append((key_states, value_states))
         while len(self.layers) <= layer_idx:
             self.layers.append(ShardedLayer(self.sharding))
         return self.layers[layer_idx].update(key_states, value_states)
@@ -363,6 +367,26 @@ class ShardedCache(Cache):
         if layer_idx >= len(self.layers):
             return 0
         return int(self.layers[layer_idx].positions.numel())
+
+    @contextmanager
+    def _capturing(self):
+        """While active, record every layer's incoming ``(keys, values)`` (all tokens, in order)."""
+        self.sharding.captured = []
+        try:
+            yield self.sharding.captured
+        finally:
+            self.sharding.captured = None
+
+    def _commit(self, keys, values, positions):
+        """Append tokens after the cached ones; each layer's K/V go to the ranks that own them.
+
+        ``keys``/``values``: one ``(B, Hkv, n, D)`` tensor per layer, identical on every
+        rank; ``positions``: ``(B, n)`` int64 position ids. No communication.
+        """
+        before = self.get_seq_length()
+        for layer, k, v in zip(self.layers, keys, values, strict=True):
+            layer._update(k, v)
+        self.sharding.history = self.sharding.extended(positions, before)
 
     @contextmanager
     def _prefilling(self, step):

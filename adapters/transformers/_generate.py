@@ -1,0 +1,233 @@
+"""Speculative greedy decoding over a :class:`ShardedCache`: draft, verify, commit."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from mpitree import extend, spec
+
+from ._cache import ShardedCache
+from ._drafters import _positions
+from ._spec import verify
+
+
+@dataclass
+class Speculation:
+    """What :func:`generate` returns.
+
+    Attributes
+    ----------
+    sequences : torch.Tensor
+        ``(B, S + max_new_tokens)`` int64: the prompt, then the greedy tokens.
+    accepted : torch.Tensor
+        ``(steps, B)`` int64: drafted tokens of each row's best candidate that the
+        target accepted, per step.
+    committed : torch.Tensor
+        ``(steps,)`` int64: tokens each row gained per step (every row the same).
+    tree_nodes : torch.Tensor
+        ``(steps,)`` int64: packed tree length ``L`` verified per step (the pending
+        token included).
+    """
+
+    sequences: torch.Tensor
+    accepted: torch.Tensor
+    committed: torch.Tensor
+    tree_nodes: torch.Tensor
+
+
+def _digest(*tensors):
+    """Return a short hex digest of the tensors' values (ranks compare it)."""
+    h = hashlib.blake2b(digest_size=12)
+    for t in tensors:
+        h.update(repr((tuple(t.shape), str(t.dtype))).encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _positive(name, value):
+    """Raise unless ``value`` is a positive int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_start(model, input_ids, cache, drafter, max_new_tokens, attention_mask):
+    """Validate :func:`generate`'s arguments; return the signature every rank must share."""
+    if not isinstance(cache, ShardedCache):
+        raise TypeError(f"cache must be a ShardedCache, got {type(cache).__name__}")
+    if getattr(model.config, "_attn_implementation", None) != "mpitree":
+        raise ValueError("the model must run attn_implementation='mpitree'")
+    if not callable(getattr(drafter, "propose", None)):
+        raise TypeError(
+            f"drafter needs a propose(tokens, attention_mask, depth) method: {drafter!r}"
+        )
+    _positive("max_new_tokens", max_new_tokens)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] < 1:
+        raise ValueError("input_ids must be a (B, S) torch tensor with S >= 1")
+    if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
+        raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) and window is not None:
+        if window < input_ids.shape[1] + max_new_tokens:
+            raise ValueError(
+                f"a sliding window ({window}) shorter than the sequence "
+                f"({input_ids.shape[1]} + {max_new_tokens}) is not supported: the draft "
+                "tree's 4-D mask would override it"
+            )
+    cached = cache.get_seq_length()
+    if cached >= input_ids.shape[1]:
+        raise ValueError(
+            f"the cache holds {cached} tokens: it must hold a strict prefix of input_ids "
+            f"({input_ids.shape[1]} tokens), e.g. prefill(model, input_ids[:, :-1], cache)"
+        )
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    return {
+        "input": (*input_ids.shape, cached),
+        "max_new_tokens": max_new_tokens,
+        "prompt": _digest(input_ids, mask.long()),
+    }
+
+
+def _draft(drafter, tokens, mask, depth, vocab):
+    """Ask the drafter for this step's candidates and check them; ``(B, 0, 0)`` when depth is 0."""
+    b = tokens.shape[0]
+    if depth == 0:  # one token left to produce: the target's own next token, no draft
+        return torch.empty(b, 1, 0, dtype=torch.long)
+    beam = drafter.propose(tokens.clone(), mask.clone(), depth)
+    if not isinstance(beam, torch.Tensor):
+        raise TypeError(f"the drafter must return a torch tensor, got {type(beam).__name__}")
+    if beam.dtype == torch.bool or beam.is_floating_point() or beam.is_complex():
+        raise TypeError(f"the drafter must return integer token ids, got {beam.dtype}")
+    if beam.ndim != 3 or beam.shape[0] != b:
+        raise ValueError(f"the drafter must return a (B={b}, M, C) draft, got {tuple(beam.shape)}")
+    if beam.shape[1] < 1 or beam.shape[2] < 1:
+        raise ValueError(f"the drafter returned an empty draft {tuple(beam.shape)}")
+    if beam.shape[2] > depth:
+        raise ValueError(
+            f"the draft is {beam.shape[2]} tokens deep, but only {depth} more fit in "
+            "max_new_tokens (after the target's own next token)"
+        )
+    beam = beam.to(device=tokens.device, dtype=torch.long)
+    if bool(((beam < 0) | (beam >= vocab)).any()):
+        bad = beam[(beam < 0) | (beam >= vocab)]
+        raise ValueError(f"the drafter proposed token ids outside [0, {vocab}): {bad[:8].tolist()}")
+    return beam
+
+
+@extend.entry_point
+def generate(model, input_ids, cache, *, drafter, max_new_tokens, attention_mask=None):
+    """Greedy speculative decoding over a :class:`ShardedCache`; exact, token for token.
+
+    Each step, the drafter proposes a tree of candidates after the pending token;
+    :func:`mpitree.spec.pack` deduplicates it, one forward pass scores every node
+    over the sharded cache (one tree reduction per layer), and the longest
+    candidate prefix equal to the target's argmax is accepted, plus the target's
+    next token. The accepted tokens' K/V, computed in that pass, are appended on
+    the ranks that own their global indices under the cache's placement, at their
+    true positions; rejected nodes leave no trace. Greedy only (no sampling).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        Under ``attn_implementation="mpitree"``, the same on every rank.
+    input_ids : torch.Tensor
+        ``(B, S)`` integer prompt, the same on every rank (left-padded rows allowed).
+    cache : ShardedCache
+        Empty, or holding a strict prefix of ``input_ids`` (e.g. from
+        :func:`prefill` of ``input_ids[:, :-1]``). The rest of the prompt runs
+        first, in one step, as ``model.generate``'s first step does; it gives the
+        first new token. Holds ``S - 1 + max_new_tokens`` tokens afterwards, as
+        after ``model.generate``.
+    drafter : Drafter
+        Proposes ``(B, M, C)`` candidates (:class:`PromptLookup`,
+        :class:`DraftModel`, or your own); runs locally on every rank.
+    max_new_tokens : int
+        Exactly this many tokens are generated per row (no stop tokens).
+    attention_mask : torch.Tensor, optional
+        ``(B, S)``, 0 at left padding.
+
+    Returns
+    -------
+    Speculation
+        ``sequences`` ``(B, S + max_new_tokens)`` int64, equal to greedy
+        ``model.generate``'s, and per-step statistics.
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank, when any rank's arguments are bad, its drafter fails or
+        returns an empty draft, out-of-vocabulary ids or a tree deeper than the
+        tokens left to generate, or when the ranks' prompts or drafts differ.
+
+    Notes
+    -----
+    Rows accept different numbers of tokens in one step; every row then commits
+    the smallest of them (lockstep). This is exact: any prefix of an accepted path
+    is accepted, and the token after it is the target's argmax there (the next
+    accepted draft token of a row that accepted more). So the cache always holds
+    the same global indices as plain decoding, on the same ranks, with the same
+    positions, and the tokens are plain greedy's; a batch advances at its slowest
+    row's pace. A step costs three small agreements (draft, verification, the
+    forward's) and one merge per layer.
+    """
+    comm = extend.check_comm(getattr(cache, "comm", None))
+    start = (model, input_ids, cache, drafter, max_new_tokens, attention_mask)
+    extend.agree(comm, lambda: extend.Call(_check_start(*start)))
+    tokens = input_ids.long()
+    b, s = tokens.shape
+    mask = torch.ones_like(tokens) if attention_mask is None else attention_mask.long()
+    cached = cache.get_seq_length()
+    with torch.no_grad():  # the uncached prompt, as generate's first step runs it
+        logits = model(
+            tokens[:, cached:],
+            attention_mask=mask,
+            position_ids=_positions(mask)[:, cached:],
+            past_key_values=cache,
+            use_cache=True,
+        ).logits
+    tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    vocab = int(model.config.vocab_size)
+    batch = torch.arange(b, device=tokens.device)
+    steps = []
+    while tokens.shape[1] < s + max_new_tokens:
+        depth = s + max_new_tokens - tokens.shape[1] - 1
+
+        def prepare(tokens=tokens, mask=mask, depth=depth):
+            beam = _draft(drafter, tokens, mask, depth, vocab)
+            return extend.Call(
+                {"draft": tuple(beam.shape), "draft tokens": _digest(tokens, beam)}, beam
+            )
+
+        beam = extend.agree(comm, prepare).payload
+        tree = torch.cat([tokens[:, -1:, None].expand(b, beam.shape[1], 1), beam], -1)
+        packed = spec.pack(tree, padding_mask=mask[:, :-1].bool())
+        with cache._capturing() as states:
+            logits = verify(model, cache, packed, attention_mask=mask[:, :-1])
+        index, accepted, _ = spec.greedy_accept(tree, packed, logits)
+        m = int(accepted.min())  # lockstep: every row commits the shortest acceptance
+        path = packed.unpack_map[batch, index, :m]  # (B, m) tree nodes, root first
+        rows = batch[:, None]
+        cache._commit(
+            [k[rows, :, path].transpose(1, 2).contiguous() for k, _ in states],
+            [v[rows, :, path].transpose(1, 2).contiguous() for _, v in states],
+            packed.position_ids[rows, path],
+        )
+        nxt = logits.argmax(-1)[batch, path[:, -1]]
+        new = torch.cat([tree[batch, index, 1:m], nxt[:, None]], 1)
+        tokens = torch.cat([tokens, new], 1)
+        mask = torch.cat([mask, torch.ones_like(new)], 1)
+        steps.append((accepted - 1, m, packed.tokens.shape[1]))
+    accepted = (
+        torch.stack([a for a, _, _ in steps]) if steps else torch.zeros(0, b, dtype=torch.long)
+    )
+    committed = torch.tensor([m for _, m, _ in steps], dtype=torch.long)
+    return Speculation(tokens, accepted, committed, torch.tensor([n for _, _, n in steps]))
