@@ -12,6 +12,8 @@ STRATEGIES = ("auto", "allreduce", "allreduce3", "allgather", "ring", "hierarchi
 FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
 NODE_SIZE_ENV = "MPITREE_NODE_SIZE"
 _MAX_NODE_SIZE = 1 << 30
+INVARIANT = "invariant"  # deterministic= value: the same bits for any rank count and placement
+DEFAULT_BLOCK_SIZE = 1024  # keys per invariant leaf block: one local-kernel call each
 
 
 _NAMES: dict = {}  # dtype object -> name: str() of a numpy dtype costs microseconds
@@ -54,6 +56,33 @@ def check_flag(name, value) -> bool:
     return bool(value)
 
 
+def check_deterministic(value, invariant=False):
+    """Validate ``deterministic``: True, False or, where ``invariant`` is allowed, "invariant"."""
+    if isinstance(value, str) and value == INVARIANT:
+        if not invariant:
+            raise ValueError("deterministic='invariant' is supported by tree_decode and DecodePlan")
+        return INVARIANT
+    if not isinstance(value, (bool, np.bool_)):
+        choices = "True, False or 'invariant'" if invariant else "True or False"
+        raise TypeError(f"deterministic must be {choices}, got {value!r}")
+    return bool(value)
+
+
+def resolve_block_size(value, deterministic) -> int:
+    """Return the invariant mode's keys per block (default 1024); 0 outside that mode."""
+    if deterministic != INVARIANT:
+        if value is not None:
+            raise ValueError("block_size is only used with deterministic='invariant'")
+        return 0
+    if value is None:
+        return DEFAULT_BLOCK_SIZE
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"block_size must be an int, got {value!r}")
+    if not 0 < value <= _MAX_NODE_SIZE:
+        raise ValueError(f"block_size must lie in [1, 2**30], got {value}")
+    return int(value)
+
+
 def resolve_scale(scale, head_dim) -> float:
     """Return the softmax scale as a finite Python float (default ``1/sqrt(D)``)."""
     if scale is None:
@@ -91,9 +120,10 @@ class Options:
 
     strategy: str = "auto"
     scale: float = 1.0
-    deterministic: bool = False
+    deterministic: bool | str = False
     node_size: int = 0
     validate: bool = False
+    block_size: int = 0
 
     @classmethod
     def resolve(
@@ -104,14 +134,28 @@ class Options:
         deterministic=False,
         node_size=None,
         validate=False,
+        *,
+        block_size=None,
+        invariant=False,
     ) -> Options:
-        """Validate user options for head dim ``head_dim``; raise TypeError/ValueError."""
+        """Validate user options for head dim ``head_dim``; raise TypeError/ValueError.
+
+        ``invariant``: whether the caller supports ``deterministic="invariant"``.
+        """
+        deterministic = check_deterministic(deterministic, invariant)
+        strategy = check_strategy(strategy)
+        if deterministic == INVARIANT and strategy != "auto":
+            raise ValueError(
+                "deterministic='invariant' merges over its own canonical tree: "
+                f"leave strategy='auto', got {strategy!r}"
+            )
         return cls(
-            check_strategy(strategy),
+            strategy,
             resolve_scale(scale, head_dim),
-            check_flag("deterministic", deterministic),
+            deterministic,
             resolve_node_size(node_size),
             check_flag("validate", validate),
+            resolve_block_size(block_size, deterministic),
         )
 
     def signature(self) -> dict:
@@ -122,4 +166,5 @@ class Options:
             "deterministic": self.deterministic,
             "node size": self.node_size,
             "validate": self.validate,
+            "block size": self.block_size,
         }

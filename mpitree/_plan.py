@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -12,15 +13,17 @@ from mpi4py import MPI
 
 from ._checks import Problem, check_finite, check_masking, check_qkv
 from ._guard import Call, agree, check_comm, entry_point
-from ._kernel import Prepared
+from ._invariant import check_placement, leaf_records, local_pieces
+from ._kernel import Prepared, kernel_isa
 from ._local import BLOCK_SCORES, attend
 from ._masks import visibility
 from ._merger import Merger, merger_for
 from ._namespace import Array, NumpyLike
-from ._options import Options, dtype_name, resolve_scale
+from ._options import INVARIANT, Options, dtype_name, resolve_scale
 from ._runtime import limit_blas_threads
 from ._state import State, finish
 from ._strategies import op_needed, resolve
+from ._strategies.invariant import invariant_merge
 
 _HOST = NumpyLike("numpy", np)
 FAST_PATH = True  # plans skip re-validating an unchanged layout (False: benchmarks, tests)
@@ -101,6 +104,24 @@ def prepare_attention(q, k, v, kv_len, q_pos, k_pos, mask, options):
     return problem, options, step, signature
 
 
+def invariant_signature(signature):
+    """Invariant mode: add the local kernel's build, whose bits every rank must share."""
+    signature["kernel"] = kernel_isa()
+    return signature
+
+
+def invariant_pieces(step, block_size, kv_start, kv_blocks, acc):
+    """Invariant mode: this shard's leaf states reduced to its canonical-tree pieces."""
+    blocks = check_placement(int(step.k.shape[2]), block_size, kv_start, kv_blocks)
+    return local_pieces(blocks, leaf_records(step, block_size, len(blocks), acc))
+
+
+def _placement_unused(kv_start, kv_blocks, records=None):
+    """Raise if a placement is given outside invariant mode (``records``: a merge's, unused)."""
+    if kv_start is not None or kv_blocks is not None:
+        raise ValueError("kv_start and kv_blocks are only used with deterministic='invariant'")
+
+
 def _staged(x):
     """``x`` if its records must be staged from a device, else None."""
     return None if isinstance(x, np.ndarray) else x
@@ -138,10 +159,19 @@ class DecodePlan:
         For ``"hierarchical"`` (and ``"auto"``): ranks per node. Default
         ``MPITREE_NODE_SIZE``, else 0 = the real nodes (MPI's shared-memory split);
         a positive value imposes virtual nodes of that many consecutive ranks.
-    deterministic : bool, optional
-        Merge the ranks' states in a fixed (rank) order, so that repeated runs with
-        the same ranks and data are bitwise identical whatever order messages
-        arrive in. Costs an all-gather of the states instead of an all-reduce.
+    deterministic : bool or "invariant", optional
+        True: merge the ranks' states in a fixed (rank) order, so that repeated
+        runs with the same ranks and data are bitwise identical whatever order
+        messages arrive in (an all-gather of the states instead of an all-reduce).
+        ``"invariant"``: the same bits for any number of ranks and any placement
+        whose shard boundaries fall on multiples of ``block_size`` keys: leaf
+        states per block of keys merge over one canonical tree on global block
+        indices. Each step then needs ``kv_start`` or ``kv_blocks``, and
+        ``strategy`` must stay ``"auto"``.
+    block_size : int, optional
+        Keys per block in ``deterministic="invariant"`` mode (default 1024; a
+        block is one local-kernel call, so smaller blocks cost more local time);
+        must be left unset otherwise.
     validate : bool, optional
         Debug mode: every step also checks that q, k, v are finite and that q is the
         same on every rank (a checksum, one extra small collective per step).
@@ -168,28 +198,37 @@ class DecodePlan:
         scale: float | None = None,
         strategy: str = "auto",
         node_size: int | None = None,
-        deterministic: bool = False,
+        deterministic: bool | str = False,
         validate: bool = False,
+        block_size: int | None = None,
     ) -> None:
         comm = check_comm(comm)
 
         def prepare():
             problem = Problem.of(batch, q_heads, kv_heads, head_dim, q_len, dtype)
             options = Options.resolve(
-                problem.head_dim, strategy, scale, deterministic, node_size, validate
-            )
+                problem.head_dim, strategy, scale, deterministic, node_size, validate,
+                block_size=block_size, invariant=True,
+            )  # fmt: skip
             op = op_needed(strategy, options.deterministic, problem.acc, problem.head_dim)
             sig = {**problem.signature(), **options.signature()}
+            if options.deterministic == INVARIANT:
+                invariant_signature(sig)
             return Call(sig, (problem, options), op=op)
 
         call = agree(comm, prepare)
         self.problem, self.options = call.payload
         self.comm = comm
         opts = self.options
+        limit_blas_threads()
+        self._lazy = _LazyStep(self)
+        self._fast = None  # (layout, Prepared) of the last step that ran the full checks
+        if opts.deterministic == INVARIANT:
+            self.strategy, self._merger = INVARIANT, None
+            return
         self.strategy = resolve(
             opts.strategy, comm, call.native, opts.node_size, opts.deterministic
         )
-        limit_blas_threads()
         self._merger = Merger(
             comm,
             self.problem.rows,
@@ -198,8 +237,6 @@ class DecodePlan:
             self.strategy,
             node_size=opts.node_size,
         )
-        self._lazy = _LazyStep(self)
-        self._fast = None  # (layout, Prepared) of the last step that ran the full checks
 
     @property
     def scale(self) -> float:
@@ -223,6 +260,8 @@ class DecodePlan:
         k_pos: Array | None = None,
         mask: Array | None = None,
         return_lse: bool = False,
+        kv_start: int | None = None,
+        kv_blocks: Array | None = None,
     ) -> Array | tuple[Array, Array]:
         """Run one decode step; collective over the plan's communicator.
 
@@ -236,6 +275,9 @@ class DecodePlan:
             As in :func:`mpitree.tree_decode`.
         return_lse : bool, optional
             Also return the log-sum-exp.
+        kv_start, kv_blocks
+            This shard's place in the sequence, in ``deterministic="invariant"``
+            mode only (give one): as in :func:`mpitree.tree_decode`.
 
         Returns
         -------
@@ -253,13 +295,33 @@ class DecodePlan:
             plan; the plan stays usable.
         """
         args = (q, k, v, kv_len, q_pos, k_pos, mask)
+        if self.options.deterministic == INVARIANT:
+            return self._invariant(args, kv_start, kv_blocks, return_lse)
         if self.options.validate:
             step = agree(self.comm, lambda: self._validated(args)).payload
         else:
             step = self._lazy
             step.args, step.step = args, None
+        if kv_start is not None or kv_blocks is not None:  # refused inside the merge's guard
+            step = functools.partial(_placement_unused, kv_start, kv_blocks)
         records = self._merger.merge(step)
         return finish(records.reshape(*self.problem.row_shape, -1), q, return_lse)
+
+    def _invariant(self, args, kv_start, kv_blocks, return_lse):
+        """One ``deterministic="invariant"`` step: leaves, pieces, the canonical tree."""
+        problem, opts = self.problem, self.options
+        checked = None
+        if opts.validate:
+            checked = agree(self.comm, lambda: self._validated(args)).payload
+
+        def local():
+            step = checked if checked is not None else self._step(args)
+            return invariant_pieces(step, opts.block_size, kv_start, kv_blocks, problem.acc)
+
+        records = invariant_merge(
+            self.comm, local, problem.row_shape, problem.head_dim, problem.acc
+        )
+        return finish(records, args[0], return_lse)
 
     def _step(self, args):
         """Check one step's inputs against the plan; return its :class:`Attention`."""
@@ -271,11 +333,15 @@ class DecodePlan:
     def _validated(self, args):
         """Validate mode: the step's :class:`Call`, with finiteness and q's checksum."""
         step = self._step(args)
-        return Call(validated(step, {**self.problem.signature(), **self.options.signature()}), step)
+        sig = validated(step, {**self.problem.signature(), **self.options.signature()})
+        if self.options.deterministic == INVARIANT:
+            invariant_signature(sig)
+        return Call(sig, step)
 
     def free(self) -> None:
         """Release the plan's MPI request (buffers go with the object)."""
-        self._merger.free()
+        if self._merger is not None:
+            self._merger.free()
 
     def __enter__(self):
         return self
@@ -406,6 +472,9 @@ def tree_decode(
     deterministic: bool = False,
     validate: bool = False,
     node_size: int | None = None,
+    block_size: int | None = None,
+    kv_start: int | None = None,
+    kv_blocks: Array | None = None,
 ) -> Array | tuple[Array, Array]:
     """Exact attention of replicated queries over a KV cache sharded along the sequence.
 
@@ -448,8 +517,15 @@ def tree_decode(
         ``"allgather"`` up to 8 ranks and ``"allreduce3"`` beyond).
     return_lse : bool, optional
         Also return the log-sum-exp.
-    deterministic, validate, node_size
+    deterministic, validate, node_size, block_size
         As in :class:`DecodePlan`.
+    kv_start : int, optional
+        ``deterministic="invariant"`` only: global index of this shard's first key,
+        a multiple of ``block_size`` (a contiguous shard).
+    kv_blocks : array, optional
+        ``deterministic="invariant"`` only: int ``(ceil(T / block_size),)``, the
+        distinct global block index of each consecutive ``block_size`` keys of this
+        shard (an interleaved placement). Only a shard's last block may be short.
 
     Returns
     -------
@@ -480,16 +556,30 @@ def tree_decode(
     """
     comm = check_comm(comm)
     options = dict(strategy=strategy, scale=scale, deterministic=deterministic)
-    options.update(validate=validate, node_size=node_size)
+    options.update(validate=validate, node_size=node_size, block_size=block_size, invariant=True)
 
     def prepare():
         problem, opts, step, sig = prepare_attention(q, k, v, kv_len, q_pos, k_pos, mask, options)
         op = op_needed(opts.strategy, opts.deterministic, problem.acc, problem.head_dim)
-        return Call(sig, (problem, opts, step), op=op)
+        blocks = None
+        if opts.deterministic == INVARIANT:
+            invariant_signature(sig)
+            blocks = check_placement(int(step.k.shape[2]), opts.block_size, kv_start, kv_blocks)
+        else:
+            _placement_unused(kv_start, kv_blocks)
+        return Call(sig, (problem, opts, step, blocks), op=op)
 
     call = agree(comm, prepare)
-    problem, opts, step = call.payload
+    problem, opts, step, blocks = call.payload
     limit_blas_threads()
+    if blocks is not None:
+
+        def local():
+            return local_pieces(blocks, leaf_records(step, opts.block_size, len(blocks), acc))
+
+        acc = problem.acc
+        records = invariant_merge(comm, local, problem.row_shape, problem.head_dim, acc)
+        return finish(records, q, return_lse)
     chosen = resolve(opts.strategy, comm, call.native, opts.node_size, opts.deterministic)
     merger = merger_for(
         comm, problem.rows, problem.head_dim, problem.acc, chosen, opts.node_size, _staged(q)

@@ -99,6 +99,38 @@ def tree_decode_cases():
         ),
         "mixed frameworks": lambda bad: call(bad, k=torch.from_numpy(arrays()[1])),
         "list, not an array": lambda bad: call(bad, q=arrays()[0].tolist()),
+        "kv_start without invariant": lambda bad: call(bad, kv_start=0),
+        **invariant_cases(plan=False),
+        "invariant block size differs": lambda bad: invariant(bad, False, block_size=1),
+        "invariant with a strategy": lambda bad: invariant(bad, False, strategy="allreduce"),
+        "invariant blocks overlap": lambda bad: invariant(bad, False, kv_start=0),
+    }
+
+
+def invariant(bad, plan, **change):
+    """A deterministic="invariant" step (a plan's or tree_decode's): rank r holds block r of 5."""
+    q, k, v = arrays()
+    kw = dict(q=q, k=k, v=v, kv_start=5 * world().rank)
+    if bad:
+        kw.update(change)
+    if not plan:
+        mpitree.tree_decode(**{"deterministic": "invariant", "block_size": 5, **kw})
+        return
+    with mpitree.DecodePlan(2, 4, 2, 8, deterministic="invariant", block_size=5) as p:
+        p.decode(**kw)
+
+
+def invariant_cases(plan):
+    """Bad placements in deterministic="invariant" mode."""
+    return {
+        "invariant kv_start unaligned": lambda bad: invariant(bad, plan, kv_start=3),
+        "invariant no placement": lambda bad: invariant(bad, plan, kv_start=None),
+        "invariant kv_blocks shape": lambda bad: invariant(
+            bad, plan, kv_start=None, kv_blocks=np.array([0, 1])
+        ),
+        "invariant kv_blocks floats": lambda bad: invariant(
+            bad, plan, kv_start=None, kv_blocks=np.array([0.0])
+        ),
     }
 
 
@@ -120,6 +152,8 @@ def plan_init_cases():
         "node size 2**63": lambda bad: call(bad, node_size=2**63),
         "deterministic 'no'": lambda bad: call(bad, deterministic="no"),
         "validate differs": lambda bad: call(bad, validate=True),
+        "block size without invariant": lambda bad: call(bad, block_size=8),
+        "invariant differs": lambda bad: call(bad, deterministic="invariant"),
     }
 
 
@@ -146,6 +180,8 @@ def plan_decode_cases():
             bad, "allgather", k=torch.from_numpy(arrays()[1])
         ),
         "not an array (allreduce3)": lambda bad: call(bad, "allreduce3", v="v"),
+        "kv_start without invariant": lambda bad: call(bad, kv_start=0),
+        **invariant_cases(plan=True),
     }
 
 
@@ -164,6 +200,7 @@ def allreduce_state_cases():
         "strategy ring": lambda bad: call(bad, strategy="ring"),
         "node size": lambda bad: call(bad, node_size="two"),
         "deterministic 'no'": lambda bad: call(bad, deterministic="no"),
+        "deterministic invariant": lambda bad: call(bad, deterministic="invariant"),
     }
 
 
@@ -395,6 +432,46 @@ def verify_cases():
     }
 
 
+class Drafted:
+    """Prompt lookup's drafts, changed by ``change(beam, depth)`` on the bad rank."""
+
+    def __init__(self, bad, change):
+        self.bad, self.change = bad, change
+
+    def propose(self, tokens, attention_mask, depth):
+        beam = mtt.PromptLookup().propose(tokens, attention_mask, depth)
+        return self.change(beam, depth) if self.bad and self.change else beam
+
+
+def generate_cases():
+    def call(bad, change=None, cache=True, new=4):
+        m = model()
+        ids, _ = prompt(9, False)
+        sharded = mtt.ShardedCache(m.config, block_size=4)
+        mtt.generate(
+            m,
+            ids,
+            sharded if cache or not bad else None,
+            drafter=Drafted(bad, change),
+            max_new_tokens=new if bad else 4,
+        )
+
+    def raises(beam, depth):
+        raise RuntimeError("the draft model ran out of memory")
+
+    return {
+        "draft out of vocabulary": lambda bad: call(bad, lambda beam, depth: beam + 10**6),
+        "empty draft": lambda bad: call(bad, lambda beam, depth: beam[:, :, :0]),
+        "draft deeper than what is left": lambda bad: call(
+            bad, lambda beam, depth: torch.ones(2, 1, depth + 1, dtype=torch.long)
+        ),
+        "drafts differ": lambda bad: call(bad, lambda beam, depth: (beam + 1) % 97),
+        "drafter raises": lambda bad: call(bad, raises),
+        "not a ShardedCache": lambda bad: call(bad, cache=False),
+        "max_new_tokens 0": lambda bad: call(bad, new=0),
+    }
+
+
 CATALOGUE = {
     "mpitree._plan.tree_decode": tree_decode_cases,
     "mpitree._plan.DecodePlan.__init__": plan_init_cases,
@@ -408,6 +485,7 @@ CATALOGUE = {
     "mpitree.adapters.transformers._attention.attention_interface": attention_cases,
     "mpitree.adapters.transformers._prefill.prefill": prefill_cases,
     "mpitree.adapters.transformers._spec.verify": verify_cases,
+    "mpitree.adapters.transformers._generate.generate": generate_cases,
 }
 # Every communicating entry point of every module; the torch and CuPy adapters
 # re-export the core's (their own functions do not communicate).
