@@ -83,6 +83,12 @@ class Sharding:
         chunk = torch.div(idx * self.size, max(prompt, 1), rounding_mode="floor")
         return torch.where(idx < prompt, chunk, torch.full_like(idx, self.size - 1))
 
+    def owner(self, idx, prompt):
+        """Owning rank of global token ``idx`` (an int): :meth:`owners` for one token."""
+        if self.placement == "interleave":
+            return (idx // self.block_size) % self.size
+        return idx * self.size // max(prompt, 1) if idx < prompt else self.size - 1
+
     def mine(self, start, stop, prompt):
         """Global indices in ``start..stop-1`` this rank stores (int64, ascending)."""
         idx = torch.arange(start, stop)
@@ -158,6 +164,11 @@ class ShardedLayer(CacheLayerMixin):
             stop, self.prompt = step.total, step.total
             queries, owned = step.queries, step.mine
             take = None
+        elif new == 1 and self.length:  # a decode step: one token, one owner
+            stop = self.length + 1
+            queries = torch.tensor([self.length])
+            mine = self.sharding.owner(self.length, self.prompt) == self.sharding.rank
+            owned, take = (queries, None) if mine else (queries[:0], None)
         else:
             stop = self.length + new
             if self.length == 0:
