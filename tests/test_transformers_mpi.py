@@ -420,3 +420,27 @@ def test_import_without_torch_or_transformers_says_what_to_install(absent, tmp_p
     assert "pip install -e '.[transformers]' from the checkout" in last
     assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in last
     assert f"{absent} is not installed here" in last
+
+
+@pytest.mark.parallel(nprocs=[1, 2])
+@pytest.mark.parametrize("placement", mtt.PLACEMENTS)
+def test_decode_steps_append_in_place_and_stay_exact(placement):
+    """A decode step copies its one token into spare room: no new shard tensors per step."""
+    model = tiny_llama()
+    ids, mask = prompt(30, False)
+    ref = generate(model, ids, mask, "eager")
+    cache = mtt.ShardedCache(model.config, placement=placement, block_size=2)
+    model.set_attn_implementation("mpitree")
+    mtt.prefill(model, ids[:, :-1], cache)  # no padding: mask is None
+    tokens, storages = ids, set()
+    for _ in range(NEW_TOKENS):
+        with torch.no_grad():
+            logits = model(tokens[:, -1:], past_key_values=cache).logits[:, -1]
+        tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
+        storages.add(cache.layers[0].keys.untyped_storage().data_ptr())
+    assert torch.equal(tokens, ref.sequences)
+    assert len(storages) == 1  # one buffer for every step (its room: 256 tokens)
+    cache.crop(-3)  # a crop keeps the buffer too; the next step overwrites the dropped room
+    with torch.no_grad():
+        model(tokens[:, -3:-2], past_key_values=cache)
+    assert cache.layers[0].keys.untyped_storage().data_ptr() in storages
