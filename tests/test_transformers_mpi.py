@@ -444,3 +444,13 @@ def test_decode_steps_append_in_place_and_stay_exact(placement):
     with torch.no_grad():
         model(tokens[:, -3:-2], past_key_values=cache)
     assert cache.layers[0].keys.untyped_storage().data_ptr() in storages
+
+
+@pytest.mark.parallel(nprocs=[1])
+def test_a_row_slice_of_the_shard_is_not_mistaken_for_its_buffer():
+    cache = mtt.ShardedCache()
+    cache.update(torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4), 0)
+    cache.batch_select_indices(slice(0, 1))  # a view at the buffer's address, one row
+    token = torch.randn(1, 2, 1, 4)
+    keys, _ = cache.update(token, token, 0)
+    assert keys.shape == (1, 2, 6, 4) and torch.equal(keys[:, :, -1:], token)

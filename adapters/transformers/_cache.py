@@ -106,6 +106,16 @@ class View:
     error: Exception | None = None  # the cache update failed on this rank: raised in the guard
 
 
+def _prefix_of(x, buffer):
+    """Whether ``x`` is ``buffer[:, :, :n]`` for some n (not another view, e.g. of fewer rows)."""
+    return (
+        x.data_ptr() == buffer.data_ptr()
+        and x.stride() == buffer.stride()
+        and x.shape[:2] == buffer.shape[:2]
+        and x.shape[3] == buffer.shape[3]
+    )
+
+
 class ShardedLayer(CacheLayerMixin):
     """One layer's shard: keys/values ``(B, Hkv, T_local, D)`` and their global indices."""
 
@@ -202,8 +212,9 @@ class ShardedLayer(CacheLayerMixin):
         if (
             buffers is None
             or n + extra > buffers[0].shape[2]
-            or self.keys.data_ptr() != buffers[0].data_ptr()
-            or self.values.data_ptr() != buffers[1].data_ptr()
+            or not all(
+                _prefix_of(x, buf) for x, buf in zip((self.keys, self.values), buffers, strict=True)
+            )
         ):
             room = max(n + extra, n + n // 2, 256)
             buffers = tuple(
