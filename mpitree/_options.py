@@ -60,7 +60,10 @@ def check_deterministic(value, invariant=False):
     """Validate ``deterministic``: True, False or, where ``invariant`` is allowed, "invariant"."""
     if isinstance(value, str) and value == INVARIANT:
         if not invariant:
-            raise ValueError("deterministic='invariant' is supported by tree_decode and DecodePlan")
+            raise ValueError(
+                "deterministic='invariant' is supported by tree_decode, DecodePlan and "
+                "mpitree.adapters.transformers.ShardedCache"
+            )
         return INVARIANT
     if not isinstance(value, (bool, np.bool_)):
         choices = "True, False or 'invariant'" if invariant else "True or False"

@@ -308,21 +308,25 @@ def cache_init_cases():
         "block size bool": lambda bad: call(bad, block_size=True),
         "strategy": lambda bad: call(bad, strategy="gossip"),
         "deterministic 'no'": lambda bad: call(bad, deterministic="no"),
+        "invariant on one rank": lambda bad: call(bad, deterministic="invariant"),
+        "invariant with strategy": lambda bad: call(
+            bad, deterministic="invariant", strategy="ring"
+        ),
     }
 
 
-def filled_cache(batch=2, length=9):
+def filled_cache(batch=2, length=9, **options):
     m = model()
     ids, _ = prompt(length, False, batch)
-    cache = mtt.ShardedCache(m.config, block_size=4)
+    cache = mtt.ShardedCache(m.config, block_size=4, **options)
     with torch.no_grad():
         m(ids, past_key_values=cache)
     return m, ids, cache
 
 
 def attention_cases():
-    def step(bad, batch=None, tokens=1, mask=None, everywhere=False):
-        m, ids, cache = filled_cache()
+    def step(bad, batch=None, tokens=1, mask=None, everywhere=False, **options):
+        m, ids, cache = filled_cache(**options)
         nxt = ids[:, :tokens]
         if bad or everywhere:
             if batch is not None:
@@ -344,7 +348,23 @@ def attention_cases():
         "beam search after prefill": lambda bad: beams_after_prefill(bad),
         "no ShardedCache on one rank": lambda bad: without_cache(bad),
         "prompt fed again": lambda bad: refed(bad),
+        "invariant: batch change on one rank": lambda bad: step(
+            bad, batch=1, deterministic="invariant"
+        ),
+        "invariant: step length differs": lambda bad: step(
+            bad, tokens=2 if bad else 1, deterministic="invariant"
+        ),
+        "invariant: shard not whole blocks": lambda bad: torn_blocks(bad),
     }
+
+
+def torn_blocks(bad):
+    m, ids, cache = filled_cache(deterministic="invariant")
+    if bad:  # every layer: the step's first one is where the blocks are read
+        for layer in cache.layers:
+            layer.positions = layer.positions + 1
+    with torch.no_grad():
+        m(ids[:, :1], past_key_values=cache)
 
 
 def strategy_changed(bad):

@@ -266,7 +266,7 @@ def test_options_outside_invariant_mode_are_refused():
         mpitree.tree_decode(q, kv, kv, deterministic="invariant", strategy="ring", kv_start=0)
     with pytest.raises(ValueError, match="needs this shard's place"):
         mpitree.tree_decode(q, kv, kv, deterministic="invariant")
-    with pytest.raises(ValueError, match="supported by tree_decode and DecodePlan"):
+    with pytest.raises(ValueError, match="supported by tree_decode, DecodePlan and"):
         mpitree.allreduce_state(mpitree.State.empty((2,), 4), deterministic="invariant")
     with mpitree.DecodePlan(1, 2, 1, 4) as plan:
         with pytest.raises(ValueError, match="only used with deterministic='invariant'"):

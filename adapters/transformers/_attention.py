@@ -104,7 +104,7 @@ class Agreed:
 def _signature(query, key, scaling, sharding, sharded):
     """Return the per-layer facts every rank must share in a step (``sharding`` None: no cache)."""
     b, hq, sq, d = (int(s) for s in query.shape)
-    return {
+    sig = {
         "cache": "unsharded" if sharding is None else "ShardedCache",
         "batch": b,
         "q_heads": hq,
@@ -117,6 +117,9 @@ def _signature(query, key, scaling, sharding, sharded):
         "deterministic": None if sharding is None else sharding.deterministic,
         "sharded prefill": sharded,
     }
+    if sharding is not None and sharding.invariant:
+        extend.invariant_signature(sig)
+    return sig
 
 
 class LayerStep:
@@ -177,6 +180,41 @@ def _step_visible(memo, mask, view, batch):
     return memo[key][1]
 
 
+def _shard_blocks(memo, layer):
+    """Return the global block index of each ``block_size`` keys of ``layer``'s shard, once a step.
+
+    Invariant mode keeps every block whole on one rank, in order: the shard is
+    its blocks back to back (only the sequence's last block may be short).
+    """
+    positions, size = layer.positions, layer.sharding.block_size
+    key = ("blocks", int(positions.numel()), layer.length)
+    if key not in memo:
+        blocks = torch.div(positions[::size], size, rounding_mode="floor")
+        whole = torch.arange(positions.numel(), device=positions.device)
+        whole = blocks.repeat_interleave(size)[: positions.numel()] * size + whole % size
+        if not torch.equal(whole, positions):
+            raise ValueError(
+                "deterministic='invariant': this rank's cached tokens are not whole blocks of "
+                f"block_size={size} (was the shard changed outside the cache?)"
+            )
+        memo[key] = blocks.cpu()
+    return memo[key]
+
+
+def _invariant_records(step, sharding):
+    """Merge one layer over the canonical tree of ``block_size`` leaves: ``(B, Hq, Sq, D + 2)``."""
+    agreed = step.agreed.signature  # not this layer's shapes: they are checked inside the guard
+    row_shape = (agreed["batch"], agreed["q_heads"], agreed["q_len"])
+    acc = extend.acc_name(agreed["dtype"])
+
+    def local():
+        blocks = _shard_blocks(step.agreed.visible, step.view.layer)
+        att = step.prepare()
+        return extend.invariant_pieces(att, sharding.block_size, None, blocks, acc)
+
+    return extend.invariant_merge(sharding.comm, local, row_shape, agreed["head_dim"], acc)
+
+
 def _local_attention(query, key, value, scale, keep):
     """Return the :class:`extend.Attention` of ``query`` over ``key``/``value`` under ``keep``."""
     if keep is not None and bool(keep.all()):
@@ -227,7 +265,12 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, signature, pos
         problem = _checked(query, key, value)
         _view_visible(mask, view, problem.batch)
         opts = extend.Options.resolve(
-            problem.head_dim, sharding.strategy, scaling, sharding.deterministic
+            problem.head_dim,
+            sharding.strategy,
+            scaling,
+            sharding.deterministic,
+            block_size=sharding.block_size if sharding.invariant else None,
+            invariant=True,
         )
         width = problem.head_dim + 2
         op = extend.op_needed(opts.strategy, opts.deterministic, problem.acc, problem.head_dim)
@@ -240,6 +283,7 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, signature, pos
     merger = None
     if not view.sharded:
         sharding.history = history
+    if not view.sharded and not sharding.invariant:
         chosen = extend.resolve(opts.strategy, sharding.comm, call.native, 0, opts.deterministic)
         merger = extend.merger_for(
             sharding.comm, problem.rows, problem.head_dim, problem.acc, chosen, like=query
@@ -310,6 +354,8 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
     step = LayerStep(view, query, key, value, attention_mask, sharding.agreed, signature)
     if view.sharded:
         out = sharded_attention(query, step)
+    elif sharding.invariant:
+        out = extend.finish(_invariant_records(step, sharding), query)
     else:
         records = sharding.agreed.merger.merge(step)
         out = extend.finish(records.reshape(*query.shape[:3], -1), query)

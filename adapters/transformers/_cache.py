@@ -23,7 +23,7 @@ class Sharding:
     placement: str
     block_size: int
     strategy: str
-    deterministic: bool
+    deterministic: bool | str
     rank: int = field(init=False)
     size: int = field(init=False)
     # the :class:`~._prefill.Prefill` step while :func:`prefill` runs this rank's chunk
@@ -74,12 +74,20 @@ class Sharding:
         if self.history is not None:
             self.history = select(self.history)
 
+    @property
+    def invariant(self):
+        """Whether this cache runs ``deterministic="invariant"`` (block-aligned placement)."""
+        return self.deterministic == extend.INVARIANT
+
     def owners(self, start, stop, prompt):
         """Owning rank of global tokens ``start..stop-1``; ``prompt`` tokens came first."""
         idx = torch.arange(start, stop)
         if self.placement == "interleave":
             return (idx // self.block_size) % self.size
-        # "last": the prompt in contiguous, even chunks; every later token on the last rank
+        # "last": the prompt in contiguous, even chunks; every later token on the last rank.
+        # Invariant mode cuts whole blocks: a block's tokens stay together, on its owner.
+        if self.invariant:
+            idx, prompt = idx // self.block_size, -(-prompt // self.block_size)
         chunk = torch.div(idx * self.size, max(prompt, 1), rounding_mode="floor")
         return torch.where(idx < prompt, chunk, torch.full_like(idx, self.size - 1))
 
@@ -87,6 +95,8 @@ class Sharding:
         """Owning rank of global token ``idx`` (an int): :meth:`owners` for one token."""
         if self.placement == "interleave":
             return (idx // self.block_size) % self.size
+        if self.invariant:
+            idx, prompt = idx // self.block_size, -(-prompt // self.block_size)
         return idx * self.size // max(prompt, 1) if idx < prompt else self.size - 1
 
     def mine(self, start, stop, prompt):
@@ -304,12 +314,17 @@ class ShardedCache(Cache):
         over ranks, balanced at every length. ``"last"``: the first step (the
         prompt) in contiguous even chunks, every later token on the last rank, as
         in the tree attention paper's code; unbalanced as generation goes on.
-    block_size : int
-        Tokens per block for ``"interleave"``.
+    block_size : int, optional
+        Tokens per block: the unit ``"interleave"`` deals out (default 64) and,
+        with ``deterministic="invariant"``, the leaf block of the canonical merge
+        tree (default 1024), which both placements then keep whole on one rank.
     strategy : str
         The merge strategy (one of :data:`mpitree.STRATEGIES`) for every step.
-    deterministic : bool
-        As in :func:`mpitree.tree_decode`.
+    deterministic : bool or "invariant"
+        As in :func:`mpitree.tree_decode`. ``"invariant"``: every attention
+        output, hence the logits, is the same bits for any number of ranks and
+        either placement (see the README's "Invariant mode"); :func:`prefill`
+        then runs the whole prompt on every rank instead of sharding it.
     world_size : int, optional
         The number of ranks this cache is meant for; checked against ``comm``.
 
@@ -341,7 +356,7 @@ class ShardedCache(Cache):
         *,
         comm=None,
         placement="interleave",
-        block_size=64,
+        block_size=None,
         strategy="auto",
         deterministic=False,
         world_size=None,
@@ -351,21 +366,33 @@ class ShardedCache(Cache):
         def prepare():
             if placement not in PLACEMENTS:
                 raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-            if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            if block_size is not None and (
+                isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
+            ):
                 raise ValueError(f"block_size must be a positive int, got {block_size!r}")
             if world_size is not None and world_size != comm.Get_size():
                 raise ValueError(
                     f"this ShardedCache was made for world_size={world_size}, but the "
                     f"communicator has {comm.Get_size()} ranks"
                 )
-            opts = extend.Options.resolve(1, strategy, deterministic=deterministic)
-            sig = {"placement": placement, "block_size": block_size}
+            invariant = isinstance(deterministic, str) and deterministic == extend.INVARIANT
+            opts = extend.Options.resolve(
+                1,
+                strategy,
+                deterministic=deterministic,
+                block_size=block_size if invariant else None,
+                invariant=True,
+            )
+            size = opts.block_size or block_size or 64
+            sig = {"placement": placement, "block_size": size}
             sig.update(strategy=opts.strategy, deterministic=opts.deterministic)
-            return extend.Call(sig, opts)
+            if invariant:
+                extend.invariant_signature(sig)
+            return extend.Call(sig, (opts, size))
 
-        opts = extend.agree(comm, prepare).payload
+        opts, size = extend.agree(comm, prepare).payload
         layers = int(getattr(config, "num_hidden_layers", 0) or 0) if config is not None else 0
-        self.sharding = Sharding(comm, placement, block_size, opts.strategy, opts.deterministic)
+        self.sharding = Sharding(comm, placement, size, opts.strategy, opts.deterministic)
         super().__init__(layers=[ShardedLayer(self.sharding) for _ in range(layers)])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):

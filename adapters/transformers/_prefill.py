@@ -97,7 +97,11 @@ def prefill(model, input_ids, cache, attention_mask=None):
     is split ``p`` ways; the causal attention across chunks goes through the
     tree reduction (queries all-gathered, states merged by one
     ``Reduce_scatter``). The last token then runs as an ordinary step on every
-    rank, which hands every rank its logits.
+    rank, which hands every rank its logits. A cache in
+    ``deterministic="invariant"`` mode runs the whole prompt on every rank instead
+    (each stores its own tokens): a dense layer's bits for a token can depend on
+    how many tokens share its matrix product, so only an unsplit prompt gives
+    the same logits for any number of ranks.
 
     As with any transformers cache, ``generate`` needs input_ids that go past
     what the cache holds. To let ``generate`` produce every token after a prompt
@@ -163,6 +167,16 @@ def prefill(model, input_ids, cache, attention_mask=None):
     else:  # generate's rule: count real tokens; padding gets position 0
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
     with torch.no_grad():
+        if cache.sharding.invariant:  # same bits for any p: the dense layers see the same rows
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            return out.logits[:, -1]
         if total:
             _sharded_step(model, input_ids, cache, attention_mask, positions, total)
         cache.sharding.history = positions[:, :total].clone()
