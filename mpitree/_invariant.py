@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._kernel import Prepared
+from ._kernel import _lib as _kernel_lib
 from ._local import BLOCK_SCORES, attend
 from ._namespace import is_array, namespace
 from ._state import combine_records, empty_records
@@ -99,14 +100,29 @@ def leaf_records(step, block_size, count, acc):
     return leaves
 
 
-def _siblings(index):
-    """Return masks of sorted node indices: left of a sibling pair, right of one, alone."""
-    left = np.zeros(len(index), bool)
-    if len(index) > 1:
-        left[:-1] = (index[:-1] % 2 == 0) & (index[1:] == index[:-1] + 1)
-    right = np.zeros_like(left)
-    right[1:] = left[:-1]
-    return left, right, ~(left | right)
+def _joiner(recs):
+    """Return ``join(i, j)``: ``recs[i] = combine(recs[i], recs[j])``, in place (C-contiguous).
+
+    The compiled combine (the MPI op's own code) when the compiled kernel runs,
+    else numpy's :func:`combine_records`; the kernel build rides in the
+    agreement, so every rank joins alike. Both are commutative bit for bit
+    (larger max first: ``big + exp(small - big) * small``).
+    """
+    lib = _kernel_lib()
+    if lib is None or recs.dtype not in (np.float32, np.float64) or not len(recs):
+
+        def join(i, j):
+            recs[i] = combine_records(recs[i], recs[j])
+
+        return join
+    bits, base, stride = recs.dtype.itemsize * 8, recs.ctypes.data, recs.strides[0]
+    rows, dim = int(np.prod(recs.shape[1:-1])), recs.shape[-1] - 2
+    combine = lib.mpitree_combine
+
+    def join(i, j):
+        combine(bits, base + j * stride, base + i * stride, rows, dim)
+
+    return join
 
 
 def local_pieces(blocks, leaves):
@@ -115,58 +131,69 @@ def local_pieces(blocks, leaves):
     Returns int64 ``levels`` and ``index`` ``(k,)`` and records ``(k, *row_shape, D + 2)``.
     """
     order = np.argsort(blocks, kind="stable")
-    index, recs = blocks[order], leaves[order]
-    levels, indices, parts = [], [], []
+    recs = np.ascontiguousarray(leaves[order])  # a copy: joined in place
+    index, slots = blocks[order].tolist(), list(range(len(order)))
+    join = _joiner(recs)
+    levels, indices, kept = [], [], []
     level = 0
-    while len(index):
-        left, right, alone = _siblings(index)
-        levels.append(np.full(int(alone.sum()), level, np.int64))
-        indices.append(index[alone])
-        parts.append(recs[alone])
-        recs = combine_records(recs[left], recs[right])
-        index, level = index[left] >> 1, level + 1
-    if not parts:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), leaves[:0]
-    return np.concatenate(levels), np.concatenate(indices), np.concatenate(parts)
+    while index:
+        up, up_slots, i = [], [], 0
+        while i < len(index):
+            node = index[i]
+            if node % 2 == 0 and i + 1 < len(index) and index[i + 1] == node + 1:
+                join(slots[i], slots[i + 1])
+                up.append(node >> 1)
+                up_slots.append(slots[i])
+                i += 2
+            else:
+                levels.append(level)
+                indices.append(node)
+                kept.append(slots[i])
+                i += 1
+        index, slots, level = up, up_slots, level + 1
+    return np.array(levels, np.int64), np.array(indices, np.int64), recs[kept]
 
 
 def canonical_root(levels, index, recs, row_shape, head_dim, acc):
     """Finish the canonical tree from every rank's pieces; return its root ``(*row_shape, D + 2)``.
 
     The same pieces give the same bits on every rank, in whatever order they came:
-    level by level, all sibling pairs of a level combine in one batched call.
-    Raises ``ValueError`` (on every rank alike) when two ranks hold the same block.
+    level by level, each sibling pair joins in index order. ``recs`` (C-contiguous)
+    is overwritten. Raises ``ValueError`` (on every rank alike) when two ranks hold
+    the same block.
     """
     root = np.empty((*row_shape, head_dim + 2), acc)
     if not len(levels):
         empty_records(root)
         return root
     arriving: dict = {}
-    for level, i, rec in zip(levels.tolist(), index.tolist(), recs, strict=True):
-        arriving.setdefault(level, []).append((i, rec))
+    for slot, (level, i) in enumerate(zip(levels.tolist(), index.tolist(), strict=True)):
+        arriving.setdefault(level, []).append((i, slot))
+    join = _joiner(recs)
     top, nodes, level = max(arriving), {}, 0
     while True:
-        for i, rec in arriving.get(level, ()):
+        for i, slot in arriving.get(level, ()):
             if i in nodes:
                 raise ValueError(
                     f"mpitree: two ranks hold global block {i << level} (placements overlap)"
                 )
-            nodes[i] = rec
+            nodes[i] = slot
         if level >= top and len(nodes) == 1:
-            root[...] = next(iter(nodes.values()))
+            root[...] = recs[next(iter(nodes.values()))]
             return root
-        pairs = [i for i in sorted(nodes) if i % 2 == 0 and i + 1 in nodes]
-        up = {i >> 1: rec for i, rec in nodes.items() if i ^ 1 not in nodes}
-        if pairs:
-            left = np.stack([nodes[i] for i in pairs])
-            joined = combine_records(left, np.stack([nodes[i + 1] for i in pairs]))
-            up.update(zip((i >> 1 for i in pairs), joined, strict=True))
+        up = {}
+        for i in sorted(nodes):
+            if i % 2 and i - 1 in nodes:
+                continue  # joined into its left sibling
+            if i % 2 == 0 and i + 1 in nodes:
+                join(nodes[i], nodes[i + 1])
+            up[i >> 1] = nodes[i]
         nodes, level = up, level + 1
 
 
 def pack(levels, index, recs):
     """Pack pieces as bytes ``(k, 16 + record bytes)``: the (level, index) key, then the records."""
-    k, size = len(levels), recs[:1].nbytes
+    k, size = len(levels), int(np.prod(recs.shape[1:])) * recs.itemsize
     out = np.empty((k, _KEY + size), np.uint8)
     out[:, :_KEY] = np.stack([levels, index], 1).view(np.uint8).reshape(k, _KEY)
     out[:, _KEY:] = np.ascontiguousarray(recs).view(np.uint8).reshape(k, size)

@@ -17,8 +17,10 @@ from mpi4py import MPI
 
 from ._guard import raise_failure
 from ._namespace import namespace
+from ._options import INVARIANT
 from ._state import empty_records
 from ._strategies import REGISTRY, free_requests
+from ._strategies.invariant import InvariantMerger
 
 _CACHE_SIZE = 16
 _keyval = None
@@ -123,6 +125,8 @@ def _delete(comm, keyval, cache):
 def merger_for(comm, rows, head_dim, acc, strategy, node_size=0, like=None):
     """Return the merger cached on ``comm`` for this problem, building it on first use.
 
+    ``strategy="invariant"`` gives an :class:`~._strategies.invariant.InvariantMerger`.
+
     Collective on first use (a persistent request, a node split); call it only
     after the agreement, with agreed arguments, on every rank. At most
     16 mergers are kept per communicator (least recently used dropped).
@@ -138,7 +142,9 @@ def merger_for(comm, rows, head_dim, acc, strategy, node_size=0, like=None):
         comm.Set_attr(_keyval, cache)
     key = (rows, head_dim, acc, strategy, node_size, _staging(like))
     merger = cache.get(key)
-    if merger is None:
+    if merger is None and strategy == INVARIANT:
+        merger = cache[key] = InvariantMerger(comm, rows, head_dim, acc)
+    elif merger is None:
         merger = cache[key] = Merger(
             comm, rows, head_dim, acc, strategy, node_size=node_size, like=like
         )

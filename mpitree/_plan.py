@@ -23,7 +23,7 @@ from ._options import INVARIANT, Options, dtype_name, resolve_scale
 from ._runtime import limit_blas_threads
 from ._state import State, finish
 from ._strategies import op_needed, resolve
-from ._strategies.invariant import invariant_merge
+from ._strategies.invariant import InvariantMerger
 
 _HOST = NumpyLike("numpy", np)
 FAST_PATH = True  # plans skip re-validating an unchanged layout (False: benchmarks, tests)
@@ -224,7 +224,10 @@ class DecodePlan:
         self._lazy = _LazyStep(self)
         self._fast = None  # (layout, Prepared) of the last step that ran the full checks
         if opts.deterministic == INVARIANT:
-            self.strategy, self._merger = INVARIANT, None
+            self.strategy = INVARIANT
+            self._merger = InvariantMerger(
+                comm, self.problem.rows, self.problem.head_dim, self.problem.acc
+            )
             return
         self.strategy = resolve(
             opts.strategy, comm, call.native, opts.node_size, opts.deterministic
@@ -318,10 +321,8 @@ class DecodePlan:
             step = checked if checked is not None else self._step(args)
             return invariant_pieces(step, opts.block_size, kv_start, kv_blocks, problem.acc)
 
-        records = invariant_merge(
-            self.comm, local, problem.row_shape, problem.head_dim, problem.acc
-        )
-        return finish(records, args[0], return_lse)
+        records = self._merger.merge(local)
+        return finish(records.reshape(*problem.row_shape, -1), args[0], return_lse)
 
     def _step(self, args):
         """Check one step's inputs against the plan; return its :class:`Attention`."""
@@ -578,8 +579,8 @@ def tree_decode(
             return local_pieces(blocks, leaf_records(step, opts.block_size, len(blocks), acc))
 
         acc = problem.acc
-        records = invariant_merge(comm, local, problem.row_shape, problem.head_dim, acc)
-        return finish(records, q, return_lse)
+        merger = merger_for(comm, problem.rows, problem.head_dim, acc, INVARIANT)
+        return finish(merger.merge(local).reshape(*problem.row_shape, -1), q, return_lse)
     chosen = resolve(opts.strategy, comm, call.native, opts.node_size, opts.deterministic)
     merger = merger_for(
         comm, problem.rows, problem.head_dim, problem.acc, chosen, opts.node_size, _staged(q)

@@ -20,10 +20,11 @@ layout) joins mpitree's guarantees by following the core's own pattern::
         records = merger.merge(fill)       # fill(records) runs inside the guard
         return extend.finish(records.reshape(B, Hq, Sq, -1), q)
 
-``deterministic="invariant"`` replaces the merger with
-``records = extend.invariant_merge(comm, lambda: extend.invariant_pieces(
-attention, block_size, kv_start, kv_blocks, acc), row_shape, head_dim, acc)``
-(and the signature gains the kernel build: ``extend.invariant_signature``).
+With ``deterministic="invariant"``, ``merger_for(..., extend.INVARIANT)`` gives the
+merger of canonical-tree pieces: ``merger.merge(lambda: extend.invariant_pieces(
+attention, block_size, kv_start, kv_blocks, acc))`` returns the ``(rows, D + 2)``
+records of the tree's root, and the signature gains the kernel build
+(``extend.invariant_signature``).
 
 Everything here is public and stable within a minor version; adapters in
 ``mpitree.adapters`` use nothing else of the core.
@@ -39,7 +40,6 @@ from ._options import INVARIANT, Options, acc_name, dtype_name
 from ._plan import Attention, invariant_pieces, invariant_signature, prepare_attention
 from ._state import combine_records, empty_records, finish, merge_records
 from ._strategies import op_needed, resolve
-from ._strategies.invariant import invariant_merge
 
 __all__ = [
     "ENTRY_POINTS",
@@ -61,7 +61,6 @@ __all__ = [
     "empty_records",
     "entry_point",
     "finish",
-    "invariant_merge",
     "invariant_pieces",
     "invariant_signature",
     "merge_records",

@@ -203,16 +203,14 @@ def _shard_blocks(memo, layer):
 
 def _invariant_records(step, sharding):
     """Merge one layer over the canonical tree of ``block_size`` leaves: ``(B, Hq, Sq, D + 2)``."""
-    agreed = step.agreed.signature  # not this layer's shapes: they are checked inside the guard
-    row_shape = (agreed["batch"], agreed["q_heads"], agreed["q_len"])
-    acc = extend.acc_name(agreed["dtype"])
+    acc = extend.acc_name(step.agreed.signature["dtype"])  # agreed: not this layer's own
 
     def local():
         blocks = _shard_blocks(step.agreed.visible, step.view.layer)
         att = step.prepare()
         return extend.invariant_pieces(att, sharding.block_size, None, blocks, acc)
 
-    return extend.invariant_merge(sharding.comm, local, row_shape, agreed["head_dim"], acc)
+    return step.agreed.merger.merge(local).reshape(*step.query.shape[:3], -1)
 
 
 def _local_attention(query, key, value, scale, keep):
@@ -283,7 +281,11 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, signature, pos
     merger = None
     if not view.sharded:
         sharding.history = history
-    if not view.sharded and not sharding.invariant:
+    if sharding.invariant and not view.sharded:
+        merger = extend.merger_for(
+            sharding.comm, problem.rows, problem.head_dim, problem.acc, extend.INVARIANT
+        )
+    elif not view.sharded:
         chosen = extend.resolve(opts.strategy, sharding.comm, call.native, 0, opts.deterministic)
         merger = extend.merger_for(
             sharding.comm, problem.rows, problem.head_dim, problem.acc, chosen, like=query
