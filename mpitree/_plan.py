@@ -78,6 +78,49 @@ class Attention:
         attend(_HOST, q, k, v, self.scale, lens, vis, self._rows(out))
 
 
+class KernelSlot:
+    """The compiled kernel's bound arguments for one caller's recurring layout (one per layer).
+
+    :meth:`fill` is :meth:`Attention.fill`, except that a checked step over host
+    float32 inputs (numpy, or CPU torch tensors shared without a copy) with no
+    lengths, positions or mask, a few query rows and the same shapes, strides and
+    scale as the slot's previous step reuses its bound kernel arguments: a decode
+    loop over a cache that grows in place pays the kernel call alone.
+    """
+
+    __slots__ = ("_key", "_prepared")
+
+    def __init__(self):
+        self._key, self._prepared = None, None
+
+    def fill(self, att, records):
+        """Write ``att``'s state into host records ``(rows, D + 2)``, as :meth:`Attention.fill`."""
+        ns = att.ns
+        if (
+            att.lens is not None
+            or att.vis is not None
+            or att.q_len > 16
+            or records.dtype != np.float32
+            or not records.flags.c_contiguous
+            or not ns.on_host(att.q)
+            or dtype_name(att.k.dtype) != "float32"
+        ):
+            att.fill(records)
+            return
+        q, k, v = ns.to_numpy(att.q), ns.to_numpy(att.k), ns.to_numpy(att.v)
+        key = (q.shape, q.strides, k.shape[:2], k.strides, v.strides, att.scale)
+        if key != self._key:
+            self._key, self._prepared = key, Prepared.of(q, k, v, att.scale)
+        if self._prepared is None or v.shape[2] != k.shape[2]:
+            att.fill(records)
+            return
+        self._prepared.run(q, k, v, None, att._rows(records))
+
+    def __deepcopy__(self, memo):
+        """Return an unbound slot: bound arguments hold raw pointers."""
+        return KernelSlot()
+
+
 def local_attention(q, k, v, kv_len, q_pos, k_pos, mask, scale):
     """Check one rank's attention arguments; return its (Problem, Attention)."""
     ns, problem, t = check_qkv(q, k, v)

@@ -37,7 +37,7 @@ from ._masks import visibility
 from ._merger import Merger, merger_for
 from ._namespace import namespace
 from ._options import INVARIANT, Options, acc_name, dtype_name
-from ._plan import Attention, invariant_pieces, invariant_signature, prepare_attention
+from ._plan import Attention, KernelSlot, invariant_pieces, invariant_signature, prepare_attention
 from ._state import combine_records, empty_records, finish, merge_records
 from ._strategies import op_needed, resolve
 
@@ -45,6 +45,7 @@ __all__ = [
     "ENTRY_POINTS",
     "INVARIANT",
     "Attention",
+    "KernelSlot",
     "Call",
     "Merger",
     "Options",

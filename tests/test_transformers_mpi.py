@@ -446,6 +446,35 @@ def test_decode_steps_append_in_place_and_stay_exact(placement):
     assert cache.layers[0].keys.untyped_storage().data_ptr() in storages
 
 
+@pytest.mark.parallel(nprocs=[1, 2])
+def test_decode_layers_reuse_their_bound_kernel_arguments(monkeypatch):
+    """Each layer binds the C kernel's arguments once per buffer, not once per step."""
+    from mpitree import _plan
+
+    binds, runs = [], []
+    real_of, real_run = _plan.Prepared.of, _plan.Prepared.run
+    monkeypatch.setattr(_plan.Prepared, "of", lambda *a: binds.append(1) or real_of(*a))
+    monkeypatch.setattr(_plan.Prepared, "run", lambda *a: runs.append(1) or real_run(*a))
+    model = tiny_llama()
+    ids, _ = prompt(30, False)
+    ref = generate(model, ids, None, "eager")
+    cache = mtt.ShardedCache(model.config, placement="last")
+    model.set_attn_implementation("mpitree")
+    mtt.prefill(model, ids[:, :-1], cache)
+    binds.clear()
+    tokens = ids
+    for _ in range(NEW_TOKENS):
+        with torch.no_grad():
+            logits = model(tokens[:, -1:], past_key_values=cache).logits[:, -1]
+        tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
+    assert torch.equal(tokens, ref.sequences)
+    layers = len(cache.layers)
+    if world().rank == world().size - 1:  # "last": every decoded token lands here
+        assert len(runs) >= NEW_TOKENS * layers and len(binds) <= 2 * layers, (binds, runs)
+    twin = copy.deepcopy(cache)  # a copy binds afresh (bound arguments hold raw pointers)
+    assert twin.layers[0].kernel is not cache.layers[0].kernel
+
+
 @pytest.mark.parallel(nprocs=[1])
 def test_a_row_slice_of_the_shard_is_not_mistaken_for_its_buffer():
     cache = mtt.ShardedCache()

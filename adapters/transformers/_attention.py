@@ -148,7 +148,7 @@ class LayerStep:
 
     def fill(self, records):
         """Write this shard's state of the layer's queries into host records."""
-        self.prepare().fill(records)
+        self.view.layer.kernel.fill(self.prepare(), records)
 
     def block(self):
         """Return the shard for the ring baseline."""

@@ -138,6 +138,7 @@ class ShardedLayer(CacheLayerMixin):
         self.length = 0  # global tokens seen by this layer, on all ranks together
         self.prompt = 0  # tokens of the first step ("last" placement splits them evenly)
         self.positions = torch.empty(0, dtype=torch.long)
+        self.kernel = extend.KernelSlot()  # this layer's bound kernel arguments, step to step
 
     def lazy_initialization(self, key_states, value_states):
         """Create empty shards with the states' batch, heads, dim, dtype and device."""
