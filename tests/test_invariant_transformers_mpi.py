@@ -117,5 +117,25 @@ def test_invariant_needs_strategy_auto_and_a_positive_block():
         mtt.ShardedCache(deterministic="invariant", strategy="ring")
     with pytest.raises(ValueError, match="block_size"):
         mtt.ShardedCache(deterministic="invariant", block_size=0)
-    assert mtt.ShardedCache(deterministic="invariant").sharding.block_size == 1024
+    cache = mtt.ShardedCache(deterministic="invariant")
+    assert cache.sharding.block_size == 1024
+    with pytest.raises(ValueError, match="leave strategy='auto'"):
+        cache.strategy = "ring"
+    assert mtt.ShardedCache().sharding.block_size == 64
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("field", ["placement", "block_size"])
+def test_placement_changed_on_one_rank_raises_on_every_rank(field):
+    """Each step agrees on where tokens go: a rank that changed it would drop blocks silently."""
+    model = tiny_llama(layers=1)
+    model.set_attn_implementation("mpitree")
+    ids, _ = prompt(24, False)
+    cache = mtt.ShardedCache(model.config, deterministic="invariant", block_size=BLOCK)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        if world().rank == 1:
+            setattr(cache.sharding, field, "last" if field == "placement" else 2 * BLOCK)
+        with pytest.raises(ValueError, match=f"ranks disagree on {field}"):
+            model(ids[:, :1], past_key_values=cache)
     assert mtt.ShardedCache().sharding.block_size == 64

@@ -115,6 +115,8 @@ def _signature(query, key, scaling, sharding, sharded):
         "scaling": None if scaling is None else float(scaling),
         "strategy": None if sharding is None else sharding.strategy,
         "deterministic": None if sharding is None else sharding.deterministic,
+        "placement": None if sharding is None else sharding.placement,
+        "block_size": None if sharding is None else sharding.block_size,
         "sharded prefill": sharded,
     }
     if sharding is not None and sharding.invariant:

@@ -443,7 +443,12 @@ class ShardedCache(Cache):
 
     @strategy.setter
     def strategy(self, value):
-        self.sharding.strategy = extend.Options.resolve(1, value).strategy
+        sharding = self.sharding
+        invariant = (
+            {"block_size": sharding.block_size, "invariant": True} if sharding.invariant else {}
+        )
+        opts = extend.Options.resolve(1, value, deterministic=sharding.deterministic, **invariant)
+        sharding.strategy = opts.strategy
 
     def local_length(self, layer_idx=0):
         """Return how many tokens this rank stores for ``layer_idx``."""
