@@ -1,5 +1,7 @@
 """Tiny random-weight transformers models for the tests (torch and transformers needed)."""
 
+import copy
+
 import numpy as np
 import torch
 import transformers
@@ -36,3 +38,19 @@ def prompt(length, padded, batch=2):
 def positions(mask):
     """generate's position rule: count real tokens; padding at position 0."""
     return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+def float64_logits(model, sequences, mask, prompt_len):
+    """Teacher-forced float64 logits at every generated step.
+
+    sdpa, not eager: float64 eager turns left-padded rows into NaN (its additive
+    mask ``finfo.min`` plus a negative score overflows to -inf on fully masked rows).
+    """
+    m64 = copy.deepcopy(model).double()
+    m64.set_attn_implementation("sdpa")
+    full = None
+    if mask is not None:
+        full = torch.cat([mask, torch.ones_like(sequences[:, prompt_len:])], 1)
+    with torch.no_grad():
+        logits = m64(sequences, attention_mask=full).logits
+    return logits[:, prompt_len - 1 : -1]

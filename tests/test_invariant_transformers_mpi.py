@@ -5,7 +5,6 @@ rank): the sharded run must equal it bit for bit, so the logits agree across
 every p the suite runs at (1, 2, 3, 4) and both placements.
 """
 
-import copy
 import itertools
 import math
 
@@ -13,7 +12,7 @@ import mpitree.adapters.transformers as mtt
 import pytest
 import torch
 from helpers import world
-from models import prompt, tiny_llama
+from models import float64_logits, prompt, tiny_llama
 from mpi4py import MPI
 from numpy.testing import assert_allclose
 
@@ -46,18 +45,6 @@ def run(model, ids, mask, comm, placement, prefilled):
     return out.sequences, torch.stack([*first, *out.logits]), cache
 
 
-def float64_logits(model, sequences, mask, prompt_len):
-    """Teacher-forced float64 sdpa logits at every generated step (the exactness reference)."""
-    m64 = copy.deepcopy(model).double()
-    m64.set_attn_implementation("sdpa")
-    full = None
-    if mask is not None:
-        full = torch.cat([mask, torch.ones_like(sequences[:, prompt_len:])], 1)
-    with torch.no_grad():
-        logits = m64(sequences, attention_mask=full).logits
-    return logits[:, prompt_len - 1 : -1].transpose(0, 1)
-
-
 @pytest.mark.parallel(nprocs=NPROCS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_generate_logits_are_the_same_bits_for_any_rank_count(dtype):
@@ -81,7 +68,7 @@ def test_generate_logits_are_the_same_bits_for_any_rank_count(dtype):
             pairs = zip(rank[1:], rank[:-1], strict=True)
             assert all(p % BLOCK == 0 or p == q + 1 for p, q in pairs), case
         if dtype == torch.float32:  # exact, against float64 on the whole sequence
-            want = float64_logits(model, seqs, mask, ids.shape[1] - prefilled)
+            want = float64_logits(model, seqs, mask, ids.shape[1] - prefilled).transpose(0, 1)
             assert_allclose(logits.double().numpy(), want.numpy(), atol=1e-4, rtol=0, err_msg=case)
 
 

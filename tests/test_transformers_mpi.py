@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from helpers import world
-from models import VOCAB, positions, prompt, tiny_llama
+from models import VOCAB, float64_logits, positions, prompt, tiny_llama
 from numpy.testing import assert_allclose
 
 from mpitree import spec
@@ -37,22 +37,6 @@ def generate(model, ids, mask, impl, cache=None):
 
 def but_last(mask):
     return None if mask is None else mask[:, :-1]
-
-
-def float64_logits(model, sequences, mask, prompt_len):
-    """Teacher-forced float64 logits at every generated step.
-
-    sdpa, not eager: float64 eager turns left-padded rows into NaN (its additive
-    mask ``finfo.min`` plus a negative score overflows to -inf on fully masked rows).
-    """
-    m64 = copy.deepcopy(model).double()
-    m64.set_attn_implementation("sdpa")
-    full = None
-    if mask is not None:
-        full = torch.cat([mask, torch.ones_like(sequences[:, prompt_len:])], 1)
-    with torch.no_grad():
-        logits = m64(sequences, attention_mask=full).logits
-    return logits[:, prompt_len - 1 : -1]
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
