@@ -234,12 +234,17 @@ MPITREE_INLINE void prefetch_row(const float *p, int64_t len)
 }
 
 #define CHUNK 256 /* keys per chunk: K and V chunks stay in L2 for later row blocks */
-#define KEYS 32   /* keys per block in the value pass (16 KB of V at D = 128) */
+/* Keys per block in the value pass: 32 when one column block spans the row, 8 when
+ * the row is split into column blocks (fewer rows in flight at a stride). */
+#define KEYS_WHOLE 32
+#define KEYS_SPLIT 8
 
 /* Scores of one block of rb rows (q: rb rows of dim) against keys [0, n) of k:
  * s[j * rb + r] = q_r . k_j (interleaved: row r of key j). kb keys at a time, with
- * rb * kb (8 or 16) vector accumulators reduced by transpose-adds. The key row
- * `pf` keys ahead is prefetched when pf > 0. */
+ * rb * kb (8 or 16) vector accumulators reduced by transpose-adds. The key rows
+ * `pf` keys ahead are prefetched when pf > 0: all at once for a block of several
+ * rows, a line per step of the dot products for a single row (whose kb = 8 or 16
+ * keys would otherwise ask for up to 128 lines in one burst). */
 MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int64_t n,
                                  int64_t dim, const int rb, const int kb, int64_t pf, float *s)
 {
@@ -247,7 +252,7 @@ MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int
     const v8f zero = {0};
     for (int64_t j = 0; j < nb; j += kb) {
         const float *kj = k + j * ks;
-        if (pf > 0)
+        if (pf > 0 && rb > 1)
             for (int kk = 0; kk < kb; ++kk)
                 prefetch_row(kj + (pf + kk) * ks, dim);
         v8f acc[16];
@@ -256,6 +261,9 @@ MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int
             acc[i] = zero;
         for (int64_t x = 0; x < d8; x += 8) {
             v8f kv[16];
+            if (pf > 0 && rb == 1 && !(x & 15))
+                for (int kk = 0; kk < kb; ++kk)
+                    __builtin_prefetch(kj + (pf + kk) * ks + x, 0, 2);
 #pragma GCC unroll 16
             for (int kk = 0; kk < kb; ++kk)
                 kv[kk] = load8(kj + kk * ks + x);
@@ -345,8 +353,8 @@ MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs
             c[r * cb + i] = load8(acc + r * dim + x0 + 8 * i);
     for (int64_t j = j0; j < jn; ++j) {
         const float *vj = v + j * vs + x0, *wj = w + j * rb;
-        if (pf > 0)
-            prefetch_row(v + (j + pf) * vs, dim);
+        if (pf > 0) /* this block's columns of the row pf keys ahead */
+            prefetch_row(vj + pf * vs, 8 * cb);
         v8f wr[4];
 #if defined(__GNUC__) && !defined(__clang__)
         /* one load and in-register broadcasts (reads up to 8 floats: scratch is padded) */
@@ -394,25 +402,26 @@ MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs
             store8(acc + r * dim + x0 + 8 * i, c[r * cb + i]);
 }
 
-/* The value pass of one row block over keys [0, n): KEYS keys at a time (in L1),
- * columns in blocks of cb vectors, then single vectors, then a scalar tail. The
- * key row `pf` ahead is prefetched (with the first column block) when pf > 0. */
+/* The value pass of one row block over keys [0, n): a few keys at a time (in L1),
+ * columns in blocks of cb vectors, then single vectors, then a scalar tail. Each
+ * column block prefetches its own columns of the key row `pf` ahead when pf > 0,
+ * so the prefetches are spread over the pass rather than one burst per row. */
 MPITREE_INLINE void block_values(const float *w, const float *v, int64_t vs, int64_t n,
                                  int64_t dim, const int rb, const int cb, float *acc, int masked,
                                  int64_t pf)
 {
     const int64_t wide = dim - dim % (8 * cb), d8 = dim & ~(int64_t)7;
-    for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
-        const int64_t jn = j0 + KEYS < n ? j0 + KEYS : n;
+    const int64_t keys = 8 * cb >= dim ? KEYS_WHOLE : KEYS_SPLIT;
+    for (int64_t j0 = 0; j0 < n; j0 += keys) {
+        const int64_t jn = j0 + keys < n ? j0 + keys : n;
         for (int64_t x0 = 0; x0 < wide; x0 += 8 * cb)
-            block_values_cols(w, v, vs, j0, jn, dim, x0, rb, cb, acc, masked, x0 ? 0 : pf);
+            block_values_cols(w, v, vs, j0, jn, dim, x0, rb, cb, acc, masked, pf);
         for (int64_t x0 = wide; x0 < d8; x0 += 8)
-            block_values_cols(w, v, vs, j0, jn, dim, x0, rb, 1, acc, masked,
-                              x0 || wide ? 0 : pf);
+            block_values_cols(w, v, vs, j0, jn, dim, x0, rb, 1, acc, masked, pf);
         if (d8 < dim)
             for (int64_t j = j0; j < jn; ++j) {
-                if (!d8 && pf > 0)
-                    prefetch_row(v + (j + pf) * vs, dim);
+                if (pf > 0)
+                    prefetch_row(v + (j + pf) * vs + d8, dim - d8);
                 for (int r = 0; r < rb; ++r) {
                     const float x = w[j * rb + r];
                     if (masked && x == 0.0f)
@@ -431,7 +440,7 @@ MPITREE_INLINE void block_chunk(const mpitree_attn_args *a, const float *qs, con
                                 float *den, float *s, int64_t pf)
 {
     const int64_t dim = a->head_dim, sq = a->q_len, g = a->q_heads / a->kv_heads;
-    const int kb = (wide ? 16 : 8) / rb;
+    const int kb = rb == 1 ? 8 : (wide ? 16 : 8) / rb;
     block_scores(qs + r0 * dim, kc, a->k_strides[2], cn, dim, rb, kb, pf, s);
     int masked = 0; /* any key of this chunk excluded for some row of the block */
     if (a->vis)
