@@ -234,8 +234,8 @@ MPITREE_INLINE void prefetch_row(const float *p, int64_t len)
 }
 
 #define CHUNK 256 /* keys per chunk: K and V chunks stay in L2 for later row blocks */
-/* Keys per block in the value pass: 32 when one column block spans the row, 8 when
- * the row is split into column blocks (fewer rows in flight at a stride). */
+/* Keys per block in the value pass: 32 when one or two column blocks span the row,
+ * 8 when it is split into more (fewer rows read at a stride before moving on). */
 #define KEYS_WHOLE 32
 #define KEYS_SPLIT 8
 
@@ -411,7 +411,7 @@ MPITREE_INLINE void block_values(const float *w, const float *v, int64_t vs, int
                                  int64_t pf)
 {
     const int64_t wide = dim - dim % (8 * cb), d8 = dim & ~(int64_t)7;
-    const int64_t keys = 8 * cb >= dim ? KEYS_WHOLE : KEYS_SPLIT;
+    const int64_t keys = 16 * cb >= dim ? KEYS_WHOLE : KEYS_SPLIT;
     for (int64_t j0 = 0; j0 < n; j0 += keys) {
         const int64_t jn = j0 + keys < n ? j0 + keys : n;
         for (int64_t x0 = 0; x0 < wide; x0 += 8 * cb)
