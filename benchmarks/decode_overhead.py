@@ -81,7 +81,8 @@ def main():
     funcs["sdpa"] = timed("sdpa call", funcs["sdpa"])
     _merger.Merger.merge = timed("merge", _merger.Merger.merge)
     Attention.fill = timed("kernel", Attention.fill)  # the unbound path
-    _plan.Prepared.run = timed("kernel", _plan.Prepared.run)  # a layer's bound kernel
+    _plan.Prepared.run = timed("kernel", _plan.Prepared.run)  # a plan's bound kernel
+    _plan.Prepared.run_raw = timed("kernel", _plan.Prepared.run_raw)  # a layer's bound kernel
     LayerStep.fill = timed("local", LayerStep.fill)
     tok = ids[:, -1:]
 

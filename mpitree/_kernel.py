@@ -179,6 +179,12 @@ class Prepared:
             return None
         return cls(lib, q, k, v, scale, ks, vs)
 
+    def run_raw(self, q, k, v, t, out):
+        """Run on data addresses ``q``, ``k``, ``v``, ``out`` of the bound layout, ``T = t`` keys."""
+        self.args.t = t
+        self.args.lens = None
+        self._fn(self._ref, q, k, v, out, self._sp)
+
     def run(self, q, k, v, lens, out):
         """Write the records of q over (k, v) into ``out`` (float32, C-contiguous).
 

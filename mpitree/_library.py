@@ -63,6 +63,9 @@ def _load():
         lib.mpitree_combine.restype = None
         lib.mpitree_combine.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.mpitree_combine.argtypes += [ctypes.c_int, ctypes.c_int]
+        lib.mpitree_finish_f32.restype = None
+        lib.mpitree_finish_f32.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4
+        lib.mpitree_finish_f32.argtypes += [ctypes.c_void_p]
         lib.mpitree_attend_f32.restype = None
         lib.mpitree_attend_f32.argtypes = [ctypes.POINTER(AttnArgs)] + [ctypes.c_void_p] * 5
         lib.mpitree_attend_scratch.restype = ctypes.c_int64

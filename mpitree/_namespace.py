@@ -186,6 +186,10 @@ class NumpyLike:
         """Whether ``x`` is host memory numpy can share without a copy."""
         return self.name == "numpy"
 
+    def host_layout(self, x):
+        """Return (data address, shape, strides as the namespace counts them) of a host array."""
+        return x.ctypes.data, x.shape, x.strides
+
     def to_numpy(self, x):
         """``x`` as a host numpy array (a copy unless it already is one)."""
         if self.name == "cupy":
@@ -345,6 +349,10 @@ class Torch:
         """Whether ``x`` is host memory numpy can share without a copy."""
         return x.device.type == "cpu" and x.dtype != self.t.bfloat16
 
+    def host_layout(self, x):
+        """Return (data address, shape, strides in elements) of a CPU tensor."""
+        return x.data_ptr(), x.shape, x.stride()
+
     def to_numpy(self, x):
         """``x`` as a host numpy array (shared with a CPU tensor where possible)."""
         x = x.detach()
@@ -366,6 +374,7 @@ class Torch:
 
 
 _NUMPY = NumpyLike("numpy", np)
+_TORCH = {}  # the torch module -> its namespace (built once)
 
 
 def namespace(*arrays):
@@ -407,7 +416,10 @@ def _namespace_of(x):
         return _NUMPY
     torch = _torch_module(x)
     if torch is not None:
-        return Torch(torch)
+        ns = _TORCH.get(torch)
+        if ns is None:
+            ns = _TORCH[torch] = Torch(torch)
+        return ns
     cupy = _cupy_module(x)
     if cupy is not None:
         return NumpyLike("cupy", cupy)

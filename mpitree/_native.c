@@ -12,6 +12,7 @@
  * bitwise commutative: combine(a, b) == combine(b, a).
  */
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #define MPITREE_NSLOTS 64
@@ -104,6 +105,25 @@ void mpitree_combine(int bits, const void *in, void *io, int count, int dim)
         combine_f64((const double *)in, (double *)io, count, dim);
 }
 
+/* Attention output of merged float32 records, heads after queries:
+ * out[b, s, h, :] = n / d of rec[b, h, s] (records (B, H, Sq, D + 2), C order;
+ * out (B, Sq, H, D), C order). A row with d == 0 is empty (n == 0) and gives 0;
+ * the division is the one numpy's output_of performs, so the bits match. */
+void mpitree_finish_f32(const float *rec, int64_t batch, int64_t heads, int64_t q_len,
+                        int64_t dim, float *out)
+{
+    const int64_t w = dim + 2;
+    for (int64_t b = 0; b < batch; ++b)
+        for (int64_t h = 0; h < heads; ++h)
+            for (int64_t s = 0; s < q_len; ++s) {
+                const float *r = rec + ((b * heads + h) * q_len + s) * w;
+                float *o = out + ((b * q_len + s) * heads + h) * dim;
+                const float d = r[1] == 0.0f ? 1.0f : r[1];
+                for (int64_t x = 0; x < dim; ++x)
+                    o[x] = r[2 + x] / d;
+            }
+}
+
 /* ------------------------------------------------------------------------- */
 /* Local decode attention on one shard, float32, for the CPU path.           */
 /*                                                                           */
@@ -122,7 +142,6 @@ void mpitree_combine(int bits, const void *in, void *io, int count, int dim)
 /* run time: x86-64-v4 (AVX-512VL: 32 vector registers, wider blocking),     */
 /* x86-64-v3 (AVX2, FMA) and the baseline (SSE2).                            */
 /* ------------------------------------------------------------------------- */
-#include <stdint.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MPITREE_X86_CLONES 1

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ._library import native_lib
 from ._namespace import namespace
 from ._options import dtype_name
 
@@ -56,6 +57,17 @@ def output_of(records, dtype=None):
     return out if dtype is None else out.astype(dtype, copy=False)
 
 
+def _output_bshd(records):
+    """Return ``n / d`` of host records ``(B, Hq, Sq, D + 2)`` as ``(B, Sq, Hq, D)``, C order."""
+    b, h, s, w = records.shape
+    lib = native_lib()
+    if lib is None or records.dtype != np.float32 or not records.flags.c_contiguous:
+        return np.ascontiguousarray(output_of(records).transpose(0, 2, 1, 3))
+    out = np.empty((b, s, h, w - 2), np.float32)
+    lib.mpitree_finish_f32(records.ctypes.data, b, h, s, w - 2, out.ctypes.data)
+    return out
+
+
 def lse_of(records, base="e", dtype=np.float32):
     """Return ``m + log(d)`` of host records, ``(...)``; -inf for empty rows."""
     d = records[..., 1]
@@ -69,16 +81,26 @@ def lse_of(records, base="e", dtype=np.float32):
     return lse.astype(dtype, copy=False)
 
 
-def finish(records, like, return_lse=False):
+def finish(records, like, return_lse=False, layout="bhsd"):
     """Turn merged host records ``(B, Hq, Sq, D + 2)`` into ``like``'s framework and dtype.
 
-    Returns the output ``(B, Hq, Sq, D)`` in ``like``'s dtype and device (and the
-    lse ``(B, Hq, Sq)``, float32, natural log). The records are not aliased.
+    Returns the output in ``like``'s dtype and device: ``(B, Hq, Sq, D)`` with
+    ``layout="bhsd"``, or ``(B, Sq, Hq, D)`` in C order with ``layout="bshd"``
+    (what transformers' attention functions return; float32 records go through
+    the compiled library in one pass). With ``return_lse``, also the lse
+    ``(B, Hq, Sq)``, float32, natural log. The records are not aliased.
     """
     ns = namespace(like)
     name = dtype_name(like.dtype)
     host_dtype = None if name == "bfloat16" else np.dtype(name)
-    out = output_of(records, host_dtype if ns.name == "numpy" else None)
+    if layout == "bshd":
+        out = _output_bshd(records)
+        if ns.name == "numpy":
+            out = out.astype(host_dtype, copy=False)
+    elif layout == "bhsd":
+        out = output_of(records, host_dtype if ns.name == "numpy" else None)
+    else:
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if ns.name != "numpy":
         out = ns.astype(ns.from_numpy(out, like), name)
     if not return_lse:

@@ -173,3 +173,39 @@ def test_garbage_in_excluded_slots_contributes_nothing(level, g, sq):
     rows = out.reshape(b, hkv, g * sq, dim + 2)
     assert np.isnan(rows[:, 0, 0]).all() or np.isnan(rows[:, 0, 0, 2:]).any()
     assert not np.isnan(rows[:, 0, 1:]).any() and not np.isnan(rows[:, 1:]).any()
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_kernel_slot_rebinds_on_a_new_layout_and_matches_attention_fill(framework):
+    """A bound slot gives Attention.fill's records bitwise; a new stride or shape rebinds it."""
+    from mpitree import _plan, extend
+
+    rng = np.random.default_rng(5)
+    slot, binds = extend.KernelSlot(), []
+    real_of = _plan.Prepared.of
+
+    def counted(*args):
+        binds.append(1)
+        return real_of(*args)
+
+    _plan.Prepared.of = counted
+    try:
+        kbuf, vbuf = rng.standard_normal((2, 2, 2, 40, 16)).astype(np.float32)
+        wide = rng.standard_normal((2, 2, 40, 20)).astype(np.float32)[..., :16]  # other strides
+        cases = [(kbuf[:, :, :t], vbuf[:, :, :t]) for t in (10, 11, 12)]  # a growing cache
+        cases += [(wide[:, :, :12], vbuf[:, :, :12]), (kbuf[:, :1, :12], vbuf[:, :1, :12])]
+        for k, v in cases:
+            q = rng.standard_normal((2, 2 * k.shape[1], 1, 16)).astype(np.float32)
+            if framework == "torch":
+                torch = pytest.importorskip("torch")
+                q, k, v = (torch.from_numpy(x) for x in (q, k, v))  # shared, same strides
+            ns = extend.namespace(q)
+            att = extend.Attention(ns, q, k, v, 0.3, None, None)
+            got = np.empty((q.shape[0] * q.shape[1], 18), np.float32)
+            ref = np.empty_like(got)
+            slot.fill(att, got)
+            att.fill(ref)
+            np.testing.assert_array_equal(got, ref)
+    finally:
+        _plan.Prepared.of = real_of
+    assert len(binds) == 3, binds  # the growing cache binds once; new strides, new heads rebind

@@ -133,3 +133,40 @@ def test_native_op_is_built():
     from mpitree._library import load_error
 
     assert mpitree.native_op_available(), load_error()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("native", [True, False])
+def test_finish_heads_after_queries_is_the_transpose_bitwise(dtype, native, monkeypatch):
+    """finish(layout="bshd") is finish's output transposed to (B, Sq, Hq, D), bit for bit."""
+    from mpitree import _state, extend
+
+    if not native:
+        monkeypatch.setattr(_state, "native_lib", lambda: None)
+    rng = np.random.default_rng(3)
+    rec = random_state(rng, (2, 5, 3), 19, dtype).records  # (B, Hq, Sq, D + 2), some empty
+    rec[0, 1, 2, 2] = np.nan  # NaN stays NaN
+    ref = extend.finish(rec, rec).transpose(0, 2, 1, 3)
+    got = extend.finish(rec, rec, layout="bshd")
+    assert got.shape == (2, 3, 5, 19) and got.flags.c_contiguous and got.dtype == dtype
+    np.testing.assert_array_equal(got, ref)  # NaN compares equal to NaN here
+    assert not np.shares_memory(got, rec)
+    assert np.all(got[rec.transpose(0, 2, 1, 3)[..., 0] == -np.inf] == 0)  # empty rows give 0
+    strided = np.asfortranarray(rec)  # not C-contiguous: the numpy path
+    np.testing.assert_array_equal(extend.finish(strided, rec, layout="bshd"), ref)
+    with pytest.raises(ValueError, match="layout"):
+        extend.finish(rec, rec, layout="bhds")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_finish_heads_after_queries_for_torch(dtype):
+    """A torch ``like`` gets a contiguous (B, Sq, Hq, D) tensor in its own dtype."""
+    torch = pytest.importorskip("torch")
+    from mpitree import extend
+
+    rec = random_state(np.random.default_rng(4), (1, 4, 2), 8).records
+    like = torch.zeros(1, 4, 2, 8, dtype=getattr(torch, dtype))
+    got = extend.finish(rec, like, layout="bshd")
+    ref = extend.finish(rec, like).transpose(1, 2)
+    assert got.dtype == like.dtype and got.is_contiguous() and got.shape == (1, 2, 4, 8)
+    assert torch.equal(got, ref)

@@ -436,9 +436,9 @@ def test_decode_layers_reuse_their_bound_kernel_arguments(monkeypatch):
     from mpitree import _plan
 
     binds, runs = [], []
-    real_of, real_run = _plan.Prepared.of, _plan.Prepared.run
+    real_of, real_run = _plan.Prepared.of, _plan.Prepared.run_raw
     monkeypatch.setattr(_plan.Prepared, "of", lambda *a: binds.append(1) or real_of(*a))
-    monkeypatch.setattr(_plan.Prepared, "run", lambda *a: runs.append(1) or real_run(*a))
+    monkeypatch.setattr(_plan.Prepared, "run_raw", lambda *a: runs.append(1) or real_run(*a))
     model = tiny_llama()
     ids, _ = prompt(30, False)
     ref = generate(model, ids, None, "eager")

@@ -102,7 +102,35 @@ class Agreed:
 
 
 def _signature(query, key, scaling, sharding, sharded):
-    """Return the per-layer facts every rank must share in a step (``sharding`` None: no cache)."""
+    """Return the per-layer facts every rank must share in a step (``sharding`` None: no cache).
+
+    A sharded cache's layers mostly repeat one signature: it is kept on the
+    sharding and the same dict returned while its inputs stay the same.
+    """
+    if sharding is None or sharding.invariant:
+        return _new_signature(query, key, scaling, sharding, sharded)
+    facts = (
+        query.shape,
+        key.shape[1],
+        query.dtype,
+        scaling,
+        sharded,
+        sharding.strategy,
+        sharding.deterministic,
+        sharding.placement,
+        sharding.block_size,
+    )
+    memo = sharding.signature_memo
+    if memo is None or memo[0] != facts:
+        memo = sharding.signature_memo = (
+            facts,
+            _new_signature(query, key, scaling, sharding, sharded),
+        )
+    return memo[1]
+
+
+def _new_signature(query, key, scaling, sharding, sharded):
+    """Build :func:`_signature`'s dict."""
     b, hq, sq, d = (int(s) for s in query.shape)
     sig = {
         "cache": "unsharded" if sharding is None else "ShardedCache",
@@ -136,7 +164,7 @@ class LayerStep:
         """Check this layer against the step's agreement; build its :class:`Attention`."""
         if self.view.error is not None:
             raise self.view.error
-        if self.signature != self.agreed.signature:
+        if self.signature is not self.agreed.signature and self.signature != self.agreed.signature:
             raise ValueError(
                 f"this layer's attention {self.signature} differs from the step's first layer "
                 f"{self.agreed.signature}"
@@ -174,12 +202,21 @@ def _step_visible(memo, mask, view, batch):
     same global key indices, so the first layer's visibility serves them all.
     The memo holds the mask, so its ``id`` cannot be reused within the step.
     """
-    layer = view.layer
-    key = (id(mask), view.sharded, int(layer.positions.numel()), layer.length)
+    key = _visible_key(mask, view)
     if key not in memo:
-        keep = _view_visible(mask, view, batch)
-        memo[key] = (mask, None if keep is not None and bool(keep.all()) else keep)
+        memo[key] = (mask, _unless_all(_view_visible(mask, view, batch)))
     return memo[key][1]
+
+
+def _visible_key(mask, view):
+    """The memo key of a step's visibility: the mask object and the shard's global layout."""
+    layer = view.layer
+    return (id(mask), view.sharded, int(layer.positions.numel()), layer.length)
+
+
+def _unless_all(keep):
+    """Return ``keep``, or None when every key is visible."""
+    return None if keep is not None and bool(keep.all()) else keep
 
 
 def _shard_blocks(memo, layer):
@@ -217,8 +254,7 @@ def _invariant_records(step, sharding):
 
 def _local_attention(query, key, value, scale, keep):
     """Return the :class:`extend.Attention` of ``query`` over ``key``/``value`` under ``keep``."""
-    if keep is not None and bool(keep.all()):
-        keep = None
+    keep = _unless_all(keep)
     return extend.Attention(extend.namespace(query), query, key, value, scale, None, keep)
 
 
@@ -263,7 +299,7 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, signature, pos
                 raise _refeed_error(view, positions)
             history = sharding.extended(positions, view.start)
         problem = _checked(query, key, value)
-        _view_visible(mask, view, problem.batch)
+        keep = _unless_all(_view_visible(mask, view, problem.batch))
         opts = extend.Options.resolve(
             problem.head_dim,
             sharding.strategy,
@@ -275,11 +311,13 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, signature, pos
         width = problem.head_dim + 2
         op = extend.op_needed(opts.strategy, opts.deterministic, problem.acc, problem.head_dim)
         return extend.Call(
-            signature, (problem, opts, history), op=(problem.acc, width) if view.sharded else op
+            signature,
+            (problem, opts, history, keep),
+            op=(problem.acc, width) if view.sharded else op,
         )
 
     call = extend.agree(sharding.comm, prepare)
-    problem, opts, history = call.payload
+    problem, opts, history, keep = call.payload
     merger = None
     if not view.sharded:
         sharding.history = history
@@ -292,7 +330,9 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, signature, pos
         merger = extend.merger_for(
             sharding.comm, problem.rows, problem.head_dim, problem.acc, chosen, like=query
         )
-    return Agreed(signature, opts.scale, merger)
+    agreed = Agreed(signature, opts.scale, merger)
+    agreed.visible[_visible_key(mask, view)] = (mask, keep)  # the first layer's, computed above
+    return agreed
 
 
 @extend.entry_point
@@ -357,13 +397,12 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
             raise
     step = LayerStep(view, query, key, value, attention_mask, sharding.agreed, signature)
     if view.sharded:
-        out = sharded_attention(query, step)
-    elif sharding.invariant:
-        out = extend.finish(_invariant_records(step, sharding), query)
+        return sharded_attention(query, step).transpose(1, 2).contiguous(), None
+    if sharding.invariant:
+        records = _invariant_records(step, sharding)
     else:
-        records = sharding.agreed.merger.merge(step)
-        out = extend.finish(records.reshape(*query.shape[:3], -1), query)
-    return out.transpose(1, 2).contiguous(), None
+        records = sharding.agreed.merger.merge(step).reshape(*query.shape[:3], -1)
+    return extend.finish(records, query, layout="bshd"), None
 
 
 def _unsupported(mask, dropout, kw):

@@ -35,6 +35,8 @@ class Sharding:
     history: torch.Tensor | None = None
     # while :meth:`ShardedCache._capturing` runs: every layer's incoming (keys, values), in order
     captured: list | None = None
+    # (facts, signature) of the last attention call: layers reuse one signature dict
+    signature_memo: tuple | None = None
 
     def __post_init__(self):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
@@ -126,6 +128,13 @@ def _prefix_of(x, buffer):
     )
 
 
+def _last_append(layer, buffers):
+    """Whether ``layer``'s keys, values and positions are the views its last append left."""
+    return (
+        layer.keys is buffers[3] and layer.values is buffers[4] and layer.positions is buffers[5]
+    )
+
+
 class ShardedLayer(CacheLayerMixin):
     """One layer's shard: keys/values ``(B, Hkv, T_local, D)`` and their global indices."""
 
@@ -201,14 +210,15 @@ class ShardedLayer(CacheLayerMixin):
         if owned.numel():
             k = key_states if take is None else key_states.index_select(2, take)
             v = value_states if take is None else value_states.index_select(2, take)
-            self._append(k, v)
-            self.positions = torch.cat([self.positions, owned.to(self.device)])
+            self._append(k, v, owned.to(self.device))
         self.length = stop
         self.keys.mpitree_view = View(self, queries.to(self.device), step is not None, start)
         return self.keys, self.values
 
-    def _append(self, k, v):
-        """Append ``k``/``v`` in place: ``keys``/``values`` are views of buffers with spare room.
+    def _append(self, k, v, owned):
+        """Append ``k``/``v`` and their global indices ``owned`` in place, into spare room.
+
+        ``keys``/``values``/``positions`` are views of buffers with spare room.
 
         A decode step then copies one token, not the whole shard (``torch.cat``
         reallocates and copies it, with fresh pages, every step: at 8K keys per
@@ -223,20 +233,26 @@ class ShardedLayer(CacheLayerMixin):
         if (
             buffers is None
             or n + extra > buffers[0].shape[2]
-            or not all(
-                _prefix_of(x, buf) for x, buf in zip((self.keys, self.values), buffers, strict=True)
+            or not _last_append(self, buffers)
+            and not (
+                _prefix_of(self.keys, buffers[0])
+                and _prefix_of(self.values, buffers[1])
+                and self.positions.data_ptr() == buffers[2].data_ptr()
             )
         ):
             room = max(n + extra, n + n // 2, 256)
             buffers = tuple(
                 x.new_empty(*x.shape[:2], room, x.shape[3]) for x in (self.keys, self.values)
-            )
-            buffers[0][:, :, :n] = self.keys
-            buffers[1][:, :, :n] = self.values
-            self._buffers = buffers
-        buffers[0][:, :, n : n + extra] = k
-        buffers[1][:, :, n : n + extra] = v
-        self.keys, self.values = buffers[0][:, :, : n + extra], buffers[1][:, :, : n + extra]
+            ) + (self.positions.new_empty(room),)
+            for x, buf in zip((self.keys, self.values, self.positions), buffers, strict=False):
+                buf.narrow(-2 if x.dim() > 1 else 0, 0, n).copy_(x)
+        kb, vb, pb = buffers[:3]
+        kb.narrow(2, n, extra).copy_(k)
+        vb.narrow(2, n, extra).copy_(v)
+        pb.narrow(0, n, extra).copy_(owned)
+        self.keys, self.values = kb.narrow(2, 0, n + extra), vb.narrow(2, 0, n + extra)
+        self.positions = pb.narrow(0, 0, n + extra)
+        self._buffers = (kb, vb, pb, self.keys, self.values, self.positions)
 
     def rollback(self, view):
         """Drop the tokens the step of ``view`` stored (its agreement failed on some rank)."""
@@ -264,11 +280,12 @@ class ShardedLayer(CacheLayerMixin):
         self.length = max(self.length + tokens_to_remove, 0)
         keep = self.positions < self.length
         count = int(keep.sum())
-        if bool(keep[:count].all()):  # the usual case (positions ascend): a view, no copy
+        if bool(keep[:count].all()):  # the usual case (positions ascend): views, no copy
             self.keys, self.values = self.keys[:, :, :count], self.values[:, :, :count]
+            self.positions = self.positions[:count]
         else:
             self.keys, self.values = self.keys[:, :, keep], self.values[:, :, keep]
-        self.positions = self.positions[keep]
+            self.positions = self.positions[keep]
 
     def reset(self):
         """Forget every token."""
