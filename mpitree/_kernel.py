@@ -180,7 +180,7 @@ class Prepared:
         return cls(lib, q, k, v, scale, ks, vs)
 
     def run_raw(self, q, k, v, t, out):
-        """Run on data addresses ``q``, ``k``, ``v``, ``out`` of the bound layout, ``T = t`` keys."""
+        """Run on the data addresses ``q``, ``k``, ``v``, ``out`` of the bound layout, T = t."""
         self.args.t = t
         self.args.lens = None
         self._fn(self._ref, q, k, v, out, self._sp)

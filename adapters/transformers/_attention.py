@@ -209,7 +209,7 @@ def _step_visible(memo, mask, view, batch):
 
 
 def _visible_key(mask, view):
-    """The memo key of a step's visibility: the mask object and the shard's global layout."""
+    """Return the memo key of a step's visibility: the mask object, the shard's global layout."""
     layer = view.layer
     return (id(mask), view.sharded, int(layer.positions.numel()), layer.length)
 

@@ -128,10 +128,17 @@ def _prefix_of(x, buffer):
     )
 
 
-def _last_append(layer, buffers):
-    """Whether ``layer``'s keys, values and positions are the views its last append left."""
+def _in_buffers(layer, buffers):
+    """Whether ``layer``'s keys, values and positions are prefixes of its append buffers.
+
+    Usually they are the very views the last append left (checked by identity first).
+    """
+    if layer.keys is buffers[3] and layer.values is buffers[4] and layer.positions is buffers[5]:
+        return True
     return (
-        layer.keys is buffers[3] and layer.values is buffers[4] and layer.positions is buffers[5]
+        _prefix_of(layer.keys, buffers[0])
+        and _prefix_of(layer.values, buffers[1])
+        and layer.positions.data_ptr() == buffers[2].data_ptr()
     )
 
 
@@ -230,21 +237,13 @@ class ShardedLayer(CacheLayerMixin):
         """
         n, extra = self.keys.shape[2], k.shape[2]
         buffers = getattr(self, "_buffers", None)
-        if (
-            buffers is None
-            or n + extra > buffers[0].shape[2]
-            or not _last_append(self, buffers)
-            and not (
-                _prefix_of(self.keys, buffers[0])
-                and _prefix_of(self.values, buffers[1])
-                and self.positions.data_ptr() == buffers[2].data_ptr()
-            )
-        ):
+        if buffers is None or n + extra > buffers[0].shape[2] or not _in_buffers(self, buffers):
             room = max(n + extra, n + n // 2, 256)
-            buffers = tuple(
+            keys, values = (
                 x.new_empty(*x.shape[:2], room, x.shape[3]) for x in (self.keys, self.values)
-            ) + (self.positions.new_empty(room),)
-            for x, buf in zip((self.keys, self.values, self.positions), buffers, strict=False):
+            )
+            buffers = (keys, values, self.positions.new_empty(room))
+            for x, buf in zip((self.keys, self.values, self.positions), buffers, strict=True):
                 buf.narrow(-2 if x.dim() > 1 else 0, 0, n).copy_(x)
         kb, vb, pb = buffers[:3]
         kb.narrow(2, n, extra).copy_(k)
