@@ -110,7 +110,7 @@ class KernelSlot:
         (qp, qs, qst), (kp, ks, kst), (vp, vs, vst) = (
             ns.host_layout(x) for x in (att.q, att.k, att.v)
         )
-        key = (ns.name, qs, qst, ks[:2], kst, vst, att.scale)
+        key = (ns.name, att.q.dtype, att.v.dtype, qs, qst, ks[:2], kst, vst, att.scale)
         if key != self._key:
             arrays = (ns.to_numpy(x) for x in (att.q, att.k, att.v))
             self._key, self._prepared = key, Prepared.of(*arrays, att.scale)

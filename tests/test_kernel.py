@@ -206,6 +206,13 @@ def test_kernel_slot_rebinds_on_a_new_layout_and_matches_attention_fill(framewor
             slot.fill(att, got)
             att.fill(ref)
             np.testing.assert_array_equal(got, ref)
+        # a float64 query of the bound shape (same element strides for torch) is never
+        # run through the float32 binding
+        q64 = q.double() if framework == "torch" else q.astype(np.float64)
+        att = extend.Attention(ns, q64, k, v, 0.3, None, None)
+        slot.fill(att, got)
+        att.fill(ref)
+        np.testing.assert_array_equal(got, ref)
     finally:
         _plan.Prepared.of = real_of
-    assert len(binds) == 3, binds  # the growing cache binds once; new strides, new heads rebind
+    assert len(binds) == 4, binds  # the growing cache binds once; new strides, heads, dtype
