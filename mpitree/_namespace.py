@@ -187,7 +187,9 @@ class NumpyLike:
         return self.name == "numpy"
 
     def host_layout(self, x):
-        """Return (data address, shape, strides as the namespace counts them) of a host array."""
+        """Return (data address, shape, strides in bytes) of a numpy array, or None."""
+        if not isinstance(x, np.ndarray):
+            return None
         return x.ctypes.data, x.shape, x.strides
 
     def to_numpy(self, x):
@@ -350,7 +352,13 @@ class Torch:
         return x.device.type == "cpu" and x.dtype != self.t.bfloat16
 
     def host_layout(self, x):
-        """Return (data address, shape, strides in elements) of a CPU tensor."""
+        """Return (data address, shape, strides in elements) of a CPU tensor, or None.
+
+        None for a tensor whose memory does not hold its values as they read: on a
+        device, or with a lazy negation or conjugation bit.
+        """
+        if x.device.type != "cpu" or x.is_neg() or x.is_conj():
+            return None
         return x.data_ptr(), x.shape, x.stride()
 
     def to_numpy(self, x):

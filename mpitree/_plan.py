@@ -107,9 +107,11 @@ class KernelSlot:
         ):
             att.fill(records)
             return
-        (qp, qs, qst), (kp, ks, kst), (vp, vs, vst) = (
-            ns.host_layout(x) for x in (att.q, att.k, att.v)
-        )
+        layouts = [ns.host_layout(x) for x in (att.q, att.k, att.v)]
+        if None in layouts:
+            att.fill(records)
+            return
+        (qp, qs, qst), (kp, ks, kst), (vp, vs, vst) = layouts
         key = (ns.name, att.q.dtype, att.v.dtype, qs, qst, ks[:2], kst, vst, att.scale)
         if key != self._key:
             arrays = (ns.to_numpy(x) for x in (att.q, att.k, att.v))

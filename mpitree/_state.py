@@ -94,8 +94,10 @@ def finish(records, like, return_lse=False, layout="bhsd"):
     name = dtype_name(like.dtype)
     host_dtype = None if name == "bfloat16" else np.dtype(name)
     if layout == "bshd":
+        if records.ndim != 4:
+            raise ValueError(f"layout='bshd' needs (B, Hq, Sq, D + 2) records, got {records.shape}")
         out = _output_bshd(records)
-        if ns.name == "numpy":
+        if ns.name == "numpy" and host_dtype is not None:
             out = out.astype(host_dtype, copy=False)
     elif layout == "bhsd":
         out = output_of(records, host_dtype if ns.name == "numpy" else None)

@@ -213,6 +213,12 @@ def test_kernel_slot_rebinds_on_a_new_layout_and_matches_attention_fill(framewor
         slot.fill(att, got)
         att.fill(ref)
         np.testing.assert_array_equal(got, ref)
+        assert len(binds) == 4, binds  # the growing cache binds once; new strides, heads, dtype
+        if framework == "torch":  # a lazily negated tensor of the bound layout: not read raw
+            att = extend.Attention(ns, q, k, v, 0.3, None, None)
+            slot.fill(att, got)
+            neg = extend.Attention(ns, torch._neg_view(-q), k, v, 0.3, None, None)
+            with pytest.raises(RuntimeError, match="negative bit"):
+                slot.fill(neg, ref)  # as Attention.fill does
     finally:
         _plan.Prepared.of = real_of
-    assert len(binds) == 4, binds  # the growing cache binds once; new strides, heads, dtype
