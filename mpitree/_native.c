@@ -262,8 +262,8 @@ MPITREE_INLINE void prefetch_row(const float *p, int64_t len)
  * s[j * rb + r] = q_r . k_j (interleaved: row r of key j). kb keys at a time, with
  * rb * kb (8 or 16) vector accumulators reduced by transpose-adds. The key rows
  * `pf` keys ahead are prefetched when pf > 0: all at once for a block of several
- * rows, a line per step of the dot products for a single row (whose kb = 8 or 16
- * keys would otherwise ask for up to 128 lines in one burst). */
+ * rows, a line per step of the dot products for a single row (whose 8 keys would
+ * otherwise ask for 8 rows of lines in one burst). */
 MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int64_t n,
                                  int64_t dim, const int rb, const int kb, int64_t pf, float *s)
 {
