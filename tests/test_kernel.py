@@ -175,50 +175,42 @@ def test_garbage_in_excluded_slots_contributes_nothing(level, g, sq):
     assert not np.isnan(rows[:, 0, 1:]).any() and not np.isnan(rows[:, 1:]).any()
 
 
-@pytest.mark.parametrize("framework", ["numpy", "torch"])
-def test_kernel_slot_rebinds_on_a_new_layout_and_matches_attention_fill(framework):
-    """A bound slot gives Attention.fill's records bitwise; a new stride or shape rebinds it."""
+def check_kernel_slot(monkeypatch, share, double):
+    """Check a KernelSlot over arrays shared by ``share``; return (slot, q, k, v) of its last call.
+
+    A bound slot gives Attention.fill's records bitwise; a growing cache binds once,
+    and new strides, heads or dtype (``double``: a float64 query of the bound shape,
+    never run through the float32 binding) rebind it.
+    """
     from mpitree import _plan, extend
 
     rng = np.random.default_rng(5)
     slot, binds = extend.KernelSlot(), []
     real_of = _plan.Prepared.of
+    monkeypatch.setattr(_plan.Prepared, "of", lambda *a: binds.append(1) or real_of(*a))
+    kbuf, vbuf = rng.standard_normal((2, 2, 2, 40, 16)).astype(np.float32)
+    wide = rng.standard_normal((2, 2, 40, 20)).astype(np.float32)[..., :16]  # other strides
+    cases = [(kbuf[:, :, :t], vbuf[:, :, :t]) for t in (10, 11, 12)]  # a growing cache
+    cases += [(wide[:, :, :12], vbuf[:, :, :12]), (kbuf[:, :1, :12], vbuf[:, :1, :12])]
 
-    def counted(*args):
-        binds.append(1)
-        return real_of(*args)
-
-    _plan.Prepared.of = counted
-    try:
-        kbuf, vbuf = rng.standard_normal((2, 2, 2, 40, 16)).astype(np.float32)
-        wide = rng.standard_normal((2, 2, 40, 20)).astype(np.float32)[..., :16]  # other strides
-        cases = [(kbuf[:, :, :t], vbuf[:, :, :t]) for t in (10, 11, 12)]  # a growing cache
-        cases += [(wide[:, :, :12], vbuf[:, :, :12]), (kbuf[:, :1, :12], vbuf[:, :1, :12])]
-        for k, v in cases:
-            q = rng.standard_normal((2, 2 * k.shape[1], 1, 16)).astype(np.float32)
-            if framework == "torch":
-                torch = pytest.importorskip("torch")
-                q, k, v = (torch.from_numpy(x) for x in (q, k, v))  # shared, same strides
-            ns = extend.namespace(q)
-            att = extend.Attention(ns, q, k, v, 0.3, None, None)
-            got = np.empty((q.shape[0] * q.shape[1], 18), np.float32)
-            ref = np.empty_like(got)
-            slot.fill(att, got)
-            att.fill(ref)
-            np.testing.assert_array_equal(got, ref)
-        # a float64 query of the bound shape (same element strides for torch) is never
-        # run through the float32 binding
-        q64 = q.double() if framework == "torch" else q.astype(np.float64)
-        att = extend.Attention(ns, q64, k, v, 0.3, None, None)
+    def same(q, k, v):
+        att = extend.Attention(extend.namespace(q), q, k, v, 0.3, None, None)
+        got = np.empty((q.shape[0] * q.shape[1], 18), np.float32)
+        ref = np.empty_like(got)
         slot.fill(att, got)
         att.fill(ref)
         np.testing.assert_array_equal(got, ref)
-        assert len(binds) == 4, binds  # the growing cache binds once; new strides, heads, dtype
-        if framework == "torch":  # a lazily negated tensor of the bound layout: not read raw
-            att = extend.Attention(ns, q, k, v, 0.3, None, None)
-            slot.fill(att, got)
-            neg = extend.Attention(ns, torch._neg_view(-q), k, v, 0.3, None, None)
-            with pytest.raises(RuntimeError, match="negative bit"):
-                slot.fill(neg, ref)  # as Attention.fill does
-    finally:
-        _plan.Prepared.of = real_of
+
+    for k, v in cases:
+        q = share(rng.standard_normal((2, 2 * k.shape[1], 1, 16)).astype(np.float32))
+        k, v = share(k), share(v)
+        same(q, k, v)
+    assert len(binds) == 3, binds  # the growing cache once; new strides; fewer heads
+    same(double(q), k, v)  # the float32 binding never runs a float64 query
+    same(q, k, v)
+    assert len(binds) == 5, binds
+    return slot, q, k, v
+
+
+def test_kernel_slot_rebinds_on_a_new_layout_and_matches_attention_fill(monkeypatch):
+    check_kernel_slot(monkeypatch, lambda x: x, lambda x: x.astype(np.float64))

@@ -158,29 +158,3 @@ def test_finish_heads_after_queries_is_the_transpose_bitwise(dtype, native, monk
         extend.finish(rec, rec, layout="bhds")
     with pytest.raises(ValueError, match="needs"):
         extend.finish(rec[0], rec, layout="bshd")
-
-
-def test_finish_layouts_agree_on_a_numpy_bfloat16_dtype():
-    """Both layouts give a bfloat16 numpy ``like`` the same (float32) host output."""
-    ml_dtypes = pytest.importorskip("ml_dtypes")
-    from mpitree import extend
-
-    rec = random_state(np.random.default_rng(6), (1, 2, 3), 4).records
-    like = np.zeros(1, ml_dtypes.bfloat16)
-    a, b = extend.finish(rec, like), extend.finish(rec, like, layout="bshd")
-    assert a.dtype == b.dtype
-    np.testing.assert_array_equal(a.transpose(0, 2, 1, 3), b)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
-def test_finish_heads_after_queries_for_torch(dtype):
-    """A torch ``like`` gets a contiguous (B, Sq, Hq, D) tensor in its own dtype."""
-    torch = pytest.importorskip("torch")
-    from mpitree import extend
-
-    rec = random_state(np.random.default_rng(4), (1, 4, 2), 8).records
-    like = torch.zeros(1, 4, 2, 8, dtype=getattr(torch, dtype))
-    got = extend.finish(rec, like, layout="bshd")
-    ref = extend.finish(rec, like).transpose(1, 2)
-    assert got.dtype == like.dtype and got.is_contiguous() and got.shape == (1, 2, 4, 8)
-    assert torch.equal(got, ref)
