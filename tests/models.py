@@ -35,6 +35,21 @@ def prompt(length, padded, batch=2):
     return ids, mask
 
 
+def greedy(model, ids, mask, cache, new_tokens):
+    """Greedy ``generate`` of ``new_tokens`` tokens, with its per-step logits."""
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+
+
 def positions(mask):
     """generate's position rule: count real tokens; padding at position 0."""
     return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)

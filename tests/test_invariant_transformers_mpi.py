@@ -12,7 +12,7 @@ import mpitree.adapters.transformers as mtt
 import pytest
 import torch
 from helpers import world
-from models import float64_logits, prompt, tiny_llama
+from models import float64_logits, greedy, prompt, tiny_llama
 from mpi4py import MPI
 from numpy.testing import assert_allclose
 
@@ -31,17 +31,7 @@ def run(model, ids, mask, comm, placement, prefilled):
     first = []
     if prefilled:  # the prompt but its last token, then generate from there
         first = [mtt.prefill(model, ids[:, :-1], cache, None if mask is None else mask[:, :-1])]
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=mask,
-            past_key_values=cache,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
+    out = greedy(model, ids, mask, cache, NEW_TOKENS)
     return out.sequences, torch.stack([*first, *out.logits]), cache
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from helpers import world
-from models import VOCAB, float64_logits, positions, prompt, tiny_llama
+from models import VOCAB, float64_logits, greedy, positions, prompt, tiny_llama
 from numpy.testing import assert_allclose
 
 from mpitree import spec
@@ -22,17 +22,7 @@ LOGIT_ATOL = 1e-4  # the issue's bound for float32 logits
 
 def generate(model, ids, mask, impl, cache=None):
     model.set_attn_implementation(impl)
-    with torch.no_grad():
-        return model.generate(
-            ids,
-            attention_mask=mask,
-            past_key_values=cache,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
+    return greedy(model, ids, mask, cache, NEW_TOKENS)
 
 
 def but_last(mask):
