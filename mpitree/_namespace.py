@@ -121,6 +121,10 @@ class NumpyLike:
         """Elementwise ``x == -inf``."""
         return self.xp.isneginf(x)
 
+    def maximum(self, a, b):
+        """Elementwise maximum; NaN wins."""
+        return self.xp.maximum(a, b)
+
     def isfinite(self, x):
         """Elementwise finiteness."""
         return self.xp.isfinite(x)
@@ -293,6 +297,10 @@ class Torch:
     def isneginf(self, x):
         """Elementwise ``x == -inf``."""
         return self.t.isneginf(x)
+
+    def maximum(self, a, b):
+        """Elementwise maximum; NaN wins."""
+        return self.t.maximum(a, b)
 
     def isfinite(self, x):
         """Elementwise finiteness."""

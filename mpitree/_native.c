@@ -8,8 +8,14 @@
  * head dimension D comes from a slot table: slot i of each dtype is bound to one
  * D by mpitree_bind_slot() before its MPI_Op is created.
  *
- * Empty states (m == -inf) are the identity and never produce NaN.  The merge is
- * bitwise commutative: combine(a, b) == combine(b, a).
+ * One definition of the merge, shared with numpy's combine_records and the local
+ * kernels: plain IEEE arithmetic, m = max(ma, mb) with NaN winning, each side
+ * scaled by exp(m_side - m) (by exp(-inf) = 0 when both are empty, m == -inf).
+ * Nothing is ever skipped, so a NaN anywhere in a record survives every merge
+ * (0 * NaN = NaN), and the empty state (m = -inf, d = 0, n = 0) is the identity.
+ * A record with m == NaN (a NaN score) is poisoned: every field of the result is
+ * NaN. The merge is commutative: combine(a, b) == combine(b, a), bit for bit
+ * wherever no NaN is involved.
  */
 #include <math.h>
 #include <stdint.h>
@@ -26,19 +32,13 @@ static int slot_dim_f64[MPITREE_NSLOTS];
         const int w = dim + 2;                                                   \
         for (int r = 0; r < count; ++r, in += w, io += w) {                      \
             const T ma = in[0], mb = io[0];                                      \
-            if (ma == -INFINITY)                                                 \
-                continue;                                                        \
-            if (mb == -INFINITY) {                                               \
-                memcpy(io, in, (size_t)w * sizeof(T));                           \
-                continue;                                                        \
-            }                                                                    \
-            if (ma <= mb) {                                                      \
-                const T s = EXP(ma - mb);                                        \
+            if (ma <= mb) { /* no NaN; both empty: scale exp(-inf) = 0 */        \
+                const T s = EXP(ma - (mb == -INFINITY ? 0 : mb));                \
                 for (int j = 1; j < w; ++j)                                      \
                     io[j] += s * in[j];                                          \
-            } else {                                                             \
+            } else { /* ma > mb, or a NaN: then s and m are NaN */              \
                 const T s = EXP(mb - ma);                                        \
-                io[0] = ma;                                                      \
+                io[0] = ma > mb ? ma : (T)NAN;                                   \
                 for (int j = 1; j < w; ++j)                                      \
                     io[j] = in[j] + s * io[j];                                   \
             }                                                                    \
@@ -189,7 +189,10 @@ MPITREE_INLINE v8f select8(v8i mask, v8f a, v8f b) /* mask ? a : b, lane-wise */
     return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
 }
 
-MPITREE_INLINE v8f max8(v8f a, v8f b) { return select8(a > b, a, b); }
+/* Lane-wise max in which NaN wins (as numpy's maximum): a NaN score poisons its row. */
+MPITREE_INLINE v8f max8(v8f a, v8f b) { return select8((a > b) | (a != a), a, b); }
+
+MPITREE_INLINE float max1(float a, float b) { return a > b || a != a ? a : b; }
 
 /* exp(x) for 8 lanes, Cephes-style: ~1 ulp for x in [-87, 88]; exactly 0 below
  * -87.3 (so exp(-inf) = 0, as masked keys need), +inf above 88.7. */
@@ -326,12 +329,12 @@ MPITREE_INLINE void block_weights(float *s, int64_t n, const int rb, float *m, f
     for (int r = 0; r < rb; ++r)
         cm[r] = -INFINITY;
     for (int l = 0; l < 8; ++l)
-        cm[l % rb] = vm[l] > cm[l % rb] ? vm[l] : cm[l % rb];
+        cm[l % rb] = max1(vm[l], cm[l % rb]);
     for (int64_t e = t8; e < total; ++e)
-        cm[e % rb] = s[e] > cm[e % rb] ? s[e] : cm[e % rb];
+        cm[e % rb] = max1(s[e], cm[e % rb]);
     v8f vshift;
     for (int r = 0; r < rb; ++r) {
-        const float fresh = cm[r] > m[r] ? cm[r] : m[r];
+        const float fresh = max1(cm[r], m[r]);
         shift[r] = fresh == -INFINITY ? 0.0f : fresh;
         scale[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - shift[r]);
         m[r] = fresh;

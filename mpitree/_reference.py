@@ -34,9 +34,12 @@ def reference_attention(
     Returns
     -------
     out : numpy.ndarray
-        ``(B, Hq, Sq, D)``, float64; 0 for rows that see no key.
+        ``(B, Hq, Sq, D)``, float64; 0 for rows that see no key (every visible
+        score -inf). Plain IEEE arithmetic otherwise: a NaN score, or a NaN/Inf
+        value of a visible key (even one of weight 0), makes the output NaN.
     lse : numpy.ndarray
-        ``(B, Hq, Sq)``, float64, natural log; -inf for rows that see no key.
+        ``(B, Hq, Sq)``, float64, natural log; -inf for rows that see no key,
+        NaN for a row with a NaN score.
     """
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     b, hq, sq, dim = q.shape
@@ -51,12 +54,12 @@ def reference_attention(
         kh, vh = k[:, h // (hq // hkv)], v[:, h // (hq // hkv)]
         s = np.einsum("bqd,bnd->bqn", q[:, h], kh) * scale
         s = np.where(visible[:, h], s, -np.inf)
-        m = s.max(axis=-1, initial=-np.inf)
-        seen = np.isfinite(m)
-        p = np.exp(s - np.where(seen, m, 0)[..., None])
+        m = s.max(axis=-1, initial=-np.inf)  # NaN if any visible score is NaN
+        empty = np.isneginf(m)  # every visible score is -inf (or no key is visible)
+        p = np.exp(s - np.where(empty, 0, m)[..., None])
         den = p.sum(axis=-1)
         # select the visible keys' values: hidden slots may hold NaN/Inf (0 * NaN = NaN)
         num = np.where(visible[:, h, :, :, None], p[..., None] * vh[:, None], 0).sum(axis=-2)
-        out[:, h] = np.where(seen[..., None], num / np.where(seen, den, 1)[..., None], 0)
-        lse[:, h] = np.where(seen, m + np.log(np.where(seen, den, 1)), -np.inf)
+        out[:, h] = num / np.where(den == 0, 1, den)[..., None]
+        lse[:, h] = np.where(empty, -np.inf, m + np.log(np.where(den == 0, 1, den)))
     return out, lse

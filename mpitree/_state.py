@@ -14,34 +14,40 @@ from ._options import dtype_name
 _LN2 = math.log(2.0)
 
 
-def _weights(xp, m_parts, m):
-    """Return exp(m_part - m), with 0 where m_part is -inf (the empty state)."""
-    shift = xp.where(xp.isneginf(m), 0, m)
-    return xp.exp(m_parts - shift)[..., None]
+def _weights(ns, m_parts, m):
+    """Return ``exp(m_part - m)``, with the shift 0 where ``m`` is -inf (every part empty)."""
+    shift = ns.where(ns.isneginf(m), 0, m)
+    return ns.exp(m_parts - shift)[..., None]
 
 
 def combine_records(a, b):
     """Merge two record arrays ``(..., D + 2)`` laid out as ``[m, d, n_0..n_{D-1}]``.
 
-    Associative and commutative; an all -inf record is the identity; never NaN
-    unless an input holds NaN. numpy or CuPy.
+    The one definition of the merge (the compiled MPI op computes the same):
+    ``m = max(ma, mb)`` with NaN winning, each side scaled by ``exp(m_side - m)``
+    (shift 0 where both are empty), nothing skipped. So the empty state
+    (``m = -inf, d = 0, n = 0``) is the identity, a NaN anywhere in a record
+    survives the merge, and a NaN ``m`` (a NaN score) makes every field NaN.
+    Associative and commutative. numpy, CuPy or torch (any device).
     """
     ns = namespace(a, b)
-    xp = ns.xp
-    m = xp.maximum(a[..., :1], b[..., :1])
+    m = ns.maximum(a[..., :1], b[..., :1])
     rest = (
-        _weights(xp, a[..., 0], m[..., 0]) * a[..., 1:]
-        + _weights(xp, b[..., 0], m[..., 0]) * b[..., 1:]
+        _weights(ns, a[..., 0], m[..., 0]) * a[..., 1:]
+        + _weights(ns, b[..., 0], m[..., 0]) * b[..., 1:]
     )
-    return xp.concatenate([m, rest], axis=-1)
+    return ns.concat([m, rest], -1)
 
 
 def merge_records(parts, axis=0):
-    """Merge records stacked along ``axis`` in one pass (fixed order: bitwise reproducible)."""
-    xp = namespace(parts).xp
+    """Merge records stacked along ``axis`` in one pass (fixed order: bitwise reproducible).
+
+    The same definition as :func:`combine_records`, over many parts at once.
+    """
+    ns = namespace(parts)
     m = parts[..., 0].max(axis=axis)
-    w = _weights(xp, parts[..., 0], xp.expand_dims(m, axis))
-    return xp.concatenate([m[..., None], (w * parts[..., 1:]).sum(axis=axis)], axis=-1)
+    w = _weights(ns, parts[..., 0], ns.xp.expand_dims(m, axis))
+    return ns.concat([m[..., None], (w * parts[..., 1:]).sum(axis=axis)], -1)
 
 
 def empty_records(records):

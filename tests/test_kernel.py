@@ -214,3 +214,34 @@ def check_kernel_slot(monkeypatch, share, double):
 
 def test_kernel_slot_rebinds_on_a_new_layout_and_matches_attention_fill(monkeypatch):
     check_kernel_slot(monkeypatch, lambda x: x, lambda x: x.astype(np.float64))
+
+
+@pytest.mark.parametrize("poison", ["nan key", "inf key", "nan value"])
+def test_nan_scores_poison_the_row_in_every_build(level, poison):
+    """Every build's max lets NaN win, as numpy's does: one definition of "poisoned".
+
+    A row with a NaN score gets ``m = NaN`` (never -inf, which would read as empty
+    and be dropped by the merge); a weight-0 key's NaN value stays NaN in ``n``.
+    """
+    rng = np.random.default_rng(2)
+    b, hkv, g, t, dim = 2, 2, 3, 300, 20  # t > CHUNK: the NaN chunk is not the first
+    q = np.abs(rng.standard_normal((b, hkv * g, 1, dim)).astype(np.float32)) + 0.1
+    k = rng.standard_normal((b, hkv, t, dim)).astype(np.float32)
+    v = rng.standard_normal((b, hkv, t, dim)).astype(np.float32)
+    if poison == "nan key":
+        k[0, 1, 280] = np.nan
+    elif poison == "inf key":
+        q[0, 3:, :, 1] = -1.0
+        k[0, 1, 280] = np.inf
+    else:
+        k[0, 1, 280] = -np.inf
+        v[0, 1, 280, 4] = np.nan
+    native = np.zeros((b, hkv * g, 1, dim + 2), np.float32)
+    assert attend_native(q, k, v, 0.3, None, None, native)
+    ref = state_records(namespace(q), q, k, v, 0.3, None, None, "float32")
+    assert np.array_equal(np.isnan(native), np.isnan(ref))
+    assert np.isnan(native).any()
+    if poison != "nan value":
+        assert np.isnan(native[0, 3:6, :, 0]).all()  # the poisoned rows' m
+    fin = ~np.isnan(ref)
+    assert_allclose(native[fin], ref[fin], rtol=1e-4, atol=1e-4)

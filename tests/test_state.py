@@ -158,3 +158,51 @@ def test_finish_heads_after_queries_is_the_transpose_bitwise(dtype, native, monk
         extend.finish(rec, rec, layout="bhds")
     with pytest.raises(ValueError, match="needs"):
         extend.finish(rec[0], rec, layout="bshd")
+
+
+def poisoned_state(rng, shape, dim, dtype):
+    """Random records with every kind of non-finite state the kernels can produce."""
+    rec = random_state(rng, shape, dim, dtype, empty_frac=0.3).records
+    kind = rng.integers(0, 4, shape)
+    rec[kind == 1, 0] = np.nan  # a NaN score: m is NaN (and so are d, n)
+    rec[kind == 1, 1:] = np.nan
+    empty_nan = np.isneginf(rec[..., 0]) & (kind == 2)  # weight-0 key with a NaN value
+    rec[empty_nan, 2] = np.nan
+    rec[kind == 3, 1 + dim] = np.nan  # a NaN value among finite scores
+    return State(rec)
+
+
+@pytest.mark.skipif(not mpitree.native_op_available(), reason="native op not built")
+@settings(max_examples=80, deadline=None)
+@given(seeds, dims, dtypes)
+def test_native_combine_keeps_every_nan_as_numpy_does(seed, dim, dtype):
+    """The C op and combine_records are one definition: NaN survives, the empty is -inf only."""
+    rng = np.random.default_rng(seed)
+    a, b = (poisoned_state(rng, (40,), dim, dtype) for _ in range(2))
+    ref = combine(a, b).records
+    tol = 2e-6 if dtype == np.float32 else 1e-14
+    for got in (native_combine(a, b).records, native_combine(b, a).records):
+        assert np.array_equal(np.isnan(got), np.isnan(ref))
+        assert_allclose(got, ref, rtol=tol, atol=tol)  # NaN positions equal, values close
+    # a NaN in either operand's row is a NaN in the merged row
+    had = np.isnan(a.records).any(-1) | np.isnan(b.records).any(-1)
+    assert np.array_equal(np.isnan(ref).any(-1), had)
+    poisoned = np.isnan(a.m) | np.isnan(b.m)
+    assert np.isnan(ref[poisoned]).all()
+
+
+def test_combine_records_torch_is_the_same_definition():
+    """The torch merge (sharded prefill's staircase) is combine_records itself.
+
+    Same NaN pattern; values within float32 rounding (torch's exp and numpy's differ by
+    an ulp).
+    """
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    a, b = (poisoned_state(rng, (64,), 9, np.float32) for _ in range(2))
+    from mpitree.extend import combine_records
+
+    got = combine_records(torch.from_numpy(a.records), torch.from_numpy(b.records)).numpy()
+    ref = combine(a, b).records
+    assert np.array_equal(np.isnan(got), np.isnan(ref))
+    assert_allclose(got, ref, rtol=1e-6, atol=1e-7)

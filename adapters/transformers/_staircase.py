@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from mpitree import extend
+
 CHUNK = 512  # queries per fused call: the diagonal band costs about CHUNK / p keys each
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -70,14 +72,6 @@ def _part(fused, q, k, v, scale, allowed, kv_heads):
     return torch.where(seen[..., None], rec, empty)
 
 
-def _merge(a, b):
-    """Merge two float32 record tensors ``[m, d, n...]`` (the empty state is the identity)."""
-    m = torch.maximum(a[..., :1], b[..., :1])
-    safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    rest = torch.exp(a[..., :1] - safe) * a[..., 1:] + torch.exp(b[..., :1] - safe) * b[..., 1:]
-    return torch.cat([m, rest], -1)
-
-
 def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok):
     """Fill the states of every query over this rank's keys, visible pairs only.
 
@@ -121,7 +115,7 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok):
         if hi > lo:
             band = (k_idx[None, lo:hi] <= idx[:, None])[None, None] & key_ok[:, None, None, lo:hi]
             part = _part(fused, qc, k[:, :, lo:hi], v[:, :, lo:hi], scale, band, hkv)
-            rec = part if rec is None else _merge(rec, part)
+            rec = part if rec is None else extend.combine_records(rec, part)
         if rec is None:
             rec = torch.zeros(b, hq, len(rows), d + 2)
             rec[..., 0] = float("-inf")
