@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-from ._runtime import default_comm
+from ._runtime import check_mpi_usable, default_comm
 
 MAX_FIELDS = 24
 ENTRY_POINTS: dict = {}  # "module.qualname" -> the public function or method
@@ -54,12 +54,20 @@ class RankError(ValueError):
 
 
 def entry_point(fn):
-    """Mark ``fn`` as a public entry point that communicates; register it for the catalogue."""
+    """Mark ``fn`` as a public entry point that communicates; register it for the catalogue.
+
+    The outermost entry point of a call first checks that MPI can be used at all
+    (:func:`check_mpi_usable`): after ``MPI.Finalize()`` any MPI call aborts the
+    process from inside the MPI library.
+    """
     name = f"{fn.__module__}.{fn.__qualname__}"
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        token = _entry.set(_entry.get() or name)
+        outer = _entry.get()
+        if outer is None:
+            check_mpi_usable()
+        token = _entry.set(outer or name)
         try:
             return fn(*args, **kwargs)
         finally:

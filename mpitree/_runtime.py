@@ -12,14 +12,38 @@ _default_comm = None
 _blas_threads = None  # threads set so far in this process, or None
 
 
+def check_mpi_usable():
+    """Raise ``RuntimeError`` unless MPI is initialized and not yet finalized (local).
+
+    Any MPI call outside that window aborts the process from inside the MPI
+    library; mpitree's entry points call this first, on every rank that calls them.
+    """
+    if MPI.Is_finalized():
+        raise RuntimeError(
+            "mpitree: MPI has been finalized (MPI.Finalize() was called), and no MPI call "
+            "may follow it; decode before finalizing, or let mpi4py finalize at exit"
+        )
+    if not MPI.Is_initialized():
+        raise RuntimeError(
+            "mpitree: MPI is not initialized (mpi4py.rc.initialize = False?); call "
+            "MPI.Init() or MPI.Init_thread() first"
+        )
+
+
 def default_comm() -> MPI.Intracomm:
     """Return mpitree's private duplicate of ``COMM_WORLD`` (created on first use).
 
     Library traffic on it never matches the user's own messages on ``COMM_WORLD``.
     Creating it is collective over ``COMM_WORLD``: the first call must happen on
     every rank (any mpitree call with ``comm=None`` does that).
+
+    Raises
+    ------
+    RuntimeError
+        After ``MPI.Finalize()``, or before MPI is initialized.
     """
     global _default_comm
+    check_mpi_usable()
     if _default_comm is None:
         with _lock:
             if _default_comm is None:

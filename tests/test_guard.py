@@ -1,0 +1,53 @@
+"""The guard's entry: MPI used outside its lifetime gives a Python exception, never an abort."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from launch import run
+
+AFTER_FINALIZE = """
+import numpy as np, torch, mpitree
+import mpitree.adapters.torch as mtorch
+import mpitree.adapters.transformers as mtt
+from models import tiny_llama
+from mpi4py import MPI
+
+q = np.ones((1, 2, 1, 8), np.float32)
+plan = mpitree.DecodePlan(1, 2, 2, 8)  # made while MPI runs, used after
+state = mpitree.local_state(q, q, q)
+model = tiny_llama(1)
+model.set_attn_implementation("mpitree")
+cache = mtt.ShardedCache(model.config)
+MPI.Finalize()
+calls = {
+    "tree_decode": lambda: mpitree.tree_decode(q, q, q),
+    "DecodePlan": lambda: mpitree.DecodePlan(1, 2, 2, 8),
+    "DecodePlan.decode": lambda: plan.decode(q, q, q),
+    "allreduce_state": lambda: mpitree.allreduce_state(state),
+    "default_comm": mpitree.default_comm,
+    "torch adapter": lambda: mtorch.tree_decode(*(torch.from_numpy(q),) * 3),
+    "energy": lambda: mpitree.energy.tree_energy(q, q, q),
+    "ShardedCache": lambda: mtt.ShardedCache(model.config),
+    "transformers forward": lambda: model(torch.ones(1, 3, dtype=torch.long),
+                                          past_key_values=cache),
+}
+for name, call in calls.items():
+    try:
+        call()
+    except RuntimeError as exc:
+        assert "MPI has been finalized" in str(exc), (name, exc)
+        print("raised", name, flush=True)
+    else:
+        raise AssertionError(f"{name} ran after MPI.Finalize()")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_every_entry_point_raises_after_finalize():
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    res = run(2, [sys.executable, "-c", AFTER_FINALIZE], env={"PYTHONPATH": path})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("raised") == 2 * 9, res.stdout
+    assert "Attempting to use an MPI routine" not in res.stderr
