@@ -188,7 +188,7 @@ def tree_decode(
 
     records = merger.merge(fill).reshape(*problem.row_shape, -1)
     like = q.transpose(1, 2)
-    result = extend.finish(records, like, return_lse)
+    result = extend.finish(records, like, return_lse, inputs=(q, k_cache, v_cache))
     if return_lse:
         return result[0].transpose(1, 2).contiguous(), result[1]
     return result.transpose(1, 2).contiguous()

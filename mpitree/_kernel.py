@@ -101,6 +101,10 @@ def attend_native(q, k, v, scale, lens, vis, out):
         lens_ptr = lens.ctypes.data
     if vis is not None:
         vis = np.ascontiguousarray(vis)
+        if vis.shape != (b, vis.shape[1], sq, k.shape[2]) or vis.shape[1] not in (1, hq):
+            raise ValueError(  # the kernel reads (B, 1 or Hq, Sq, T): never past its end
+                f"mpitree: visibility of shape {vis.shape} for q {q.shape} and T={k.shape[2]}"
+            )
         vis_ptr, vis_heads = vis.ctypes.data, vis.shape[1]
     hkv = k.shape[1]
     args = AttnArgs(

@@ -208,6 +208,10 @@ class NumpyLike:
             return a
         return self.xp.asarray(a)
 
+    def refuse_gradient(self, outputs, inputs):
+        """Return ``outputs``: numpy and CuPy have no autograd (JAX tracers never get here)."""
+        return outputs
+
     def pinned_empty(self, shape, name, like=None):
         """Return a host numpy array for staging device data (page-locked where that helps)."""
         if self.name == "cupy":
@@ -387,6 +391,50 @@ class Torch:
         """Return a host numpy array for staging ``like``'s device data (pinned for CUDA)."""
         pin = like is not None and like.device.type == "cuda"
         return self.t.empty(tuple(shape), dtype=self.dtype(name), pin_memory=pin).numpy()
+
+    def refuse_gradient(self, outputs, inputs):
+        """Tie ``outputs`` to the graph of ``inputs`` needing grad, with a backward that raises.
+
+        mpitree's results come from host records through a merge across ranks, with
+        no backward. Without this, a backward through them would silently give the
+        inputs no gradient from the attention (``q_proj.weight.grad is None``); with
+        it, ``backward()`` raises the moment it reaches them. A no-op (and free)
+        under ``torch.no_grad()``/``inference_mode()`` or when nothing requires grad.
+        """
+        if not self.t.is_grad_enabled():
+            return outputs
+        needing = [x for x in inputs if isinstance(x, self.t.Tensor) and x.requires_grad]
+        if not needing:
+            return outputs
+        return _refused(self.t).apply(len(outputs), *outputs, *needing)[: len(outputs)]
+
+
+NO_GRADIENT = (
+    "mpitree's attention has no backward: its output was computed from tensors that "
+    "require grad, but gradients do not flow through the merge across ranks. Decode under "
+    "torch.no_grad() or torch.inference_mode(); to train, use another attention "
+    "implementation (sdpa, eager)"
+)
+_REFUSED = {}  # the torch module -> its autograd Function (built once)
+
+
+def _refused(torch):
+    """Return the autograd Function whose forward copies its outputs and whose backward raises."""
+    if torch not in _REFUSED:
+
+        class Refused(torch.autograd.Function):
+            """Forward: copies of the first ``n`` tensors; backward: a clear error."""
+
+            @staticmethod
+            def forward(ctx, n, *tensors):
+                return tuple(x.clone() for x in tensors[:n])
+
+            @staticmethod
+            def backward(ctx, *grads):
+                raise RuntimeError(NO_GRADIENT)
+
+        _REFUSED[torch] = Refused
+    return _REFUSED[torch]
 
 
 _NUMPY = NumpyLike("numpy", np)

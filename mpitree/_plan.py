@@ -359,7 +359,7 @@ class DecodePlan:
         if kv_start is not None or kv_blocks is not None:  # refused inside the merge's guard
             step = functools.partial(_placement_unused, kv_start, kv_blocks)
         records = self._merger.merge(step)
-        return finish(records.reshape(*self.problem.row_shape, -1), q, return_lse)
+        return finish(records.reshape(*self.problem.row_shape, -1), q, return_lse, inputs=args[:3])
 
     def _invariant(self, args, kv_start, kv_blocks, return_lse):
         """One ``deterministic="invariant"`` step: leaves, pieces, the canonical tree."""
@@ -373,7 +373,7 @@ class DecodePlan:
             return invariant_pieces(step, opts.block_size, kv_start, kv_blocks, problem.acc)
 
         records = self._merger.merge(local)
-        return finish(records.reshape(*problem.row_shape, -1), args[0], return_lse)
+        return finish(records.reshape(*problem.row_shape, -1), args[0], return_lse, inputs=args[:3])
 
     def _step(self, args):
         """Check one step's inputs against the plan; return its :class:`Attention`."""
@@ -631,13 +631,14 @@ def tree_decode(
 
         acc = problem.acc
         merger = merger_for(comm, problem.rows, problem.head_dim, acc, INVARIANT)
-        return finish(merger.merge(local).reshape(*problem.row_shape, -1), q, return_lse)
+        records = merger.merge(local).reshape(*problem.row_shape, -1)
+        return finish(records, q, return_lse, inputs=(q, k, v))
     chosen = resolve(opts.strategy, comm, call.native, opts.node_size, opts.deterministic)
     merger = merger_for(
         comm, problem.rows, problem.head_dim, problem.acc, chosen, opts.node_size, _staged(q)
     )
     records = merger.merge(step)
-    return finish(records.reshape(*problem.row_shape, -1), q, return_lse)
+    return finish(records.reshape(*problem.row_shape, -1), q, return_lse, inputs=(q, k, v))
 
 
 @entry_point

@@ -87,7 +87,7 @@ def lse_of(records, base="e", dtype=np.float32):
     return lse.astype(dtype, copy=False)
 
 
-def finish(records, like, return_lse=False, layout="bhsd"):
+def finish(records, like, return_lse=False, layout="bhsd", inputs=()):
     """Turn merged host records ``(B, Hq, Sq, D + 2)`` into ``like``'s framework and dtype.
 
     Returns the output in ``like``'s dtype and device: ``(B, Hq, Sq, D)`` with
@@ -95,6 +95,11 @@ def finish(records, like, return_lse=False, layout="bhsd"):
     (what transformers' attention functions return; float32 records go through
     the compiled library in one pass). With ``return_lse``, also the lse
     ``(B, Hq, Sq)``, float32, natural log. The records are not aliased.
+
+    ``inputs`` are the arrays the records were computed from (q, k, v): the one
+    place where gradients are refused. If any is a torch tensor that requires grad
+    (grad mode on), the results are tied to it through a node whose backward
+    raises, so that a gradient never silently goes missing.
     """
     ns = namespace(like)
     name = dtype_name(like.dtype)
@@ -112,9 +117,10 @@ def finish(records, like, return_lse=False, layout="bhsd"):
     if ns.name != "numpy":
         out = ns.astype(ns.from_numpy(out, like), name)
     if not return_lse:
-        return out
+        return ns.refuse_gradient((out,), inputs)[0] if inputs else out
     lse = lse_of(records)
-    return out, (lse if ns.name == "numpy" else ns.from_numpy(lse, like))
+    results = (out, lse if ns.name == "numpy" else ns.from_numpy(lse, like))
+    return ns.refuse_gradient(results, inputs) if inputs else results
 
 
 class State:

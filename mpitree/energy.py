@@ -269,9 +269,9 @@ def _paper(comm, step, zeta, acc, hq):
     m = flagged_allreduce(comm, m, MPI.MAX, error)
     shift = np.where(np.isneginf(m), 0, m)[..., None]
     total = flagged_allreduce(comm, np.exp(x - shift).sum(axis=-1), MPI.SUM, None)
-    seen = total > 0  # ... then the sum of exp(x - max)
-    energy = np.where(seen, np.log(np.where(seen, total, 1)) + shift[..., 0], -np.inf)
-    f = np.where(seen, energy, 0)[..., None]  # Algorithm 2: from the saved energy,
+    empty = total == 0  # ... then the sum of exp(x - max) (NaN stays NaN: not empty)
+    energy = np.where(empty, -np.inf, np.log(np.where(empty, 1, total)) + shift[..., 0])
+    f = np.where(empty, 0, energy)[..., None]  # Algorithm 2: from the saved energy,
     grad = flagged_allreduce(comm, weighted_values(_HOST, np.exp(x - f), vv, keep), MPI.SUM, None)
     return energy.reshape(b, hq, sq).astype(acc), grad.reshape(b, hq, sq, -1).astype(acc)
 

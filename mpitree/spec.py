@@ -330,4 +330,5 @@ def verify_attention(
             records[...] = combine_records(records, extra.reshape(records.shape))
 
     records = merger.merge(fill)
-    return finish(records.reshape(*problem.row_shape, -1), q, return_lse)
+    inputs = (q, k_context, v_context, k_tree, v_tree)
+    return finish(records.reshape(*problem.row_shape, -1), q, return_lse, inputs=inputs)

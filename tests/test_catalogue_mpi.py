@@ -355,7 +355,29 @@ def attention_cases():
             bad, tokens=2 if bad else 1, deterministic="invariant"
         ),
         "invariant: shard not whole blocks": lambda bad: torn_blocks(bad),
+        "later layer: key dtype": lambda bad: later_layer(bad, lambda k, v: (k.double(), v)),
+        "later layer: value head dim": lambda bad: later_layer(bad, lambda k, v: (k, v[..., :8])),
+        "later layer: value heads": lambda bad: later_layer(bad, lambda k, v: (k, v[:, :1])),
     }
+
+
+def later_layer(bad, change):
+    """One model step by hand: the bad rank's second layer gets other key/value tensors.
+
+    The step's first layer runs the full checks; a later layer must be held to them
+    (before, only the query's shape and dtype were compared: a value of another head
+    dim was read by the kernel with the query's).
+    """
+    torch.manual_seed(0)
+    cache = mtt.ShardedCache(model().config, block_size=4)
+    q = torch.randn(2, 4, 1, 16)
+    for layer in range(2):
+        k, v = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
+        if bad and layer == 1:
+            k, v = change(k, v)
+        keys, values = cache.update(k, v, layer)
+        with torch.no_grad():
+            mtt.attention_interface(None, q, keys, values, None)
 
 
 def torn_blocks(bad):

@@ -457,3 +457,58 @@ def test_a_row_slice_of_the_shard_is_not_mistaken_for_its_buffer():
     token = torch.randn(1, 2, 1, 4)
     keys, _ = cache.update(token, token, 0)
     assert keys.shape == (1, 2, 6, 4) and torch.equal(keys[:, :, -1:], token)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3, 4])
+@pytest.mark.parametrize("placement", mtt.PLACEMENTS)
+@pytest.mark.parametrize("length", [2, 9])
+def test_mask_check_does_not_depend_on_placement(placement, length):
+    """A 4-D mask with Hkv heads (neither 1 nor Hq) is refused on every rank, keys or none.
+
+    With block 4, ``"interleave"`` leaves rank 3 without keys at p = 4, and ``"last"``
+    with a 2-token prompt leaves ranks 1 and 3 without (before, those ranks and every
+    rank of a placement whose shards were all-visible accepted it, and the kernel read
+    the 2-head mask as if it had 4 heads).
+    """
+    model = tiny_llama()
+    model.set_attn_implementation("mpitree")
+    ids, _ = prompt(length, False)
+    cache = mtt.ShardedCache(model.config, block_size=4, placement=placement)
+    bad = torch.ones(2, 2, length, length, dtype=torch.bool).tril()
+    with torch.no_grad(), pytest.raises(ValueError, match="4-D attention_mask must be"):
+        model(ids, past_key_values=cache, attention_mask=bad)
+    with torch.no_grad():  # the prompt again, then a decode step with a bad mask
+        model(ids, past_key_values=cache)
+        step = torch.ones(2, 2, 1, length + 1, dtype=torch.bool)
+        with pytest.raises(ValueError, match="4-D attention_mask must be"):
+            model(ids[:, :1], past_key_values=cache, attention_mask=step)
+        good = torch.ones(2, 1, 1, length + 1, dtype=torch.bool)
+        model(ids[:, :1], past_key_values=cache, attention_mask=good)  # still usable
+
+
+@pytest.mark.parallel(nprocs=[1, 2])
+def test_cache_tensors_save_and_keep_no_layer_alive(tmp_path):
+    """Keys and values handed out by a ShardedCache are plain tensors, as DynamicCache's are."""
+    import gc
+    import io
+    import pickle
+    import weakref
+
+    model = tiny_llama()
+    model.set_attn_implementation("mpitree")
+    ids, _ = prompt(9, False)
+    cache = mtt.ShardedCache(model.config, block_size=4)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    keys, values = cache.layers[0].keys, cache.layers[0].values
+    assert not keys.__dict__ and not values.__dict__  # nothing attached
+    buf = io.BytesIO()
+    torch.save((keys, values), buf)  # before: "cannot serialize Intracomm"
+    buf.seek(0)
+    k2, v2 = torch.load(buf)
+    assert torch.equal(k2, keys) and torch.equal(v2, values)
+    assert torch.equal(pickle.loads(pickle.dumps(keys)), keys)
+    layer = weakref.ref(cache.layers[0])
+    del cache
+    gc.collect()
+    assert layer() is None  # the tensors outlive the cache without keeping it

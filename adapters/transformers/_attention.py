@@ -10,6 +10,7 @@ from transformers.masking_utils import and_masks, padding_mask_function, prepare
 
 from mpitree import extend
 
+from ._cache import take_view
 from ._prefill import sharded_attention
 
 
@@ -60,11 +61,13 @@ def mask_interface(
     return ShardMask(mask_function, batch_size, use_vmap, int(q_offset), int(kv_offset))
 
 
-def _visible(mask, queries, keys, length, batch, sharded=False):
-    """Return the ``(B|1, 1|H, Sq, T)`` bool mask of ``queries`` over ``keys`` (global indices).
+def _visible(mask, queries, keys, length, batch, heads, sharded=False):
+    """Return the ``(B|1, 1|Hq, Sq, T)`` bool mask of ``queries`` over ``keys`` (global indices).
 
-    ``length`` is the global key count a 4-D mask must cover; ``sharded`` is True
-    under :func:`prefill`.
+    ``length`` is the global key count a 4-D mask must cover, ``heads`` the query
+    heads ``Hq``; ``sharded`` is True under :func:`prefill`. A 4-D mask is checked
+    against ``(B, Hq, Sq, length)`` as a whole, whatever keys this rank holds (none
+    included): the verdict must not depend on the placement.
     """
     if mask is None:  # transformers' convention: None means causal
         return keys[None, None, None, :] <= queries[None, None, :, None]
@@ -74,10 +77,15 @@ def _visible(mask, queries, keys, length, batch, sharded=False):
         return mask.visible(queries, keys)
     if not isinstance(mask, torch.Tensor) or mask.ndim != 4:
         raise TypeError(f"attention_mask must be a 4-D tensor or None, got {type(mask).__name__}")
-    if mask.shape[-1] != length or mask.shape[-2] != queries.numel():
+    if (
+        mask.shape[-1] != length
+        or mask.shape[-2] != queries.numel()
+        or mask.shape[0] not in (1, batch)
+        or mask.shape[1] not in (1, heads)
+    ):
         raise ValueError(
-            f"a 4-D attention_mask must cover (queries, keys) = ({queries.numel()}, "
-            f"{length}), got {tuple(mask.shape)}"
+            f"a 4-D attention_mask must be (B or 1, Hq or 1, queries, keys) = ({batch} or 1, "
+            f"{heads} or 1, {queries.numel()}, {length}), got {tuple(mask.shape)}"
         )
     if sharded:
         raise ValueError("prefill takes a 2-D attention_mask, not a 4-D one")
@@ -101,18 +109,28 @@ class Agreed:
     visible: dict = field(default_factory=dict)
 
 
-def _signature(query, key, scaling, sharding, sharded):
+def _signature(query, key, value, scaling, sharding, sharded):
     """Return the per-layer facts every rank must share in a step (``sharding`` None: no cache).
 
-    A sharded cache's layers mostly repeat one signature: it is kept on the
-    sharding and the same dict returned while its inputs stay the same.
+    The step's first layer runs the full checks (:func:`_checked`); a later layer
+    is held to them by this signature, which names everything those checks
+    establish of query, key and value but the shard length: a layer whose
+    signature equals the first's would pass them too. A sharded cache's layers
+    mostly repeat one signature: it is kept on the sharding and the same dict
+    returned while its inputs stay the same. Never raises (it runs outside the
+    guard on the ranks of a layer after the first).
     """
     if sharding is None or sharding.invariant:
-        return _new_signature(query, key, scaling, sharding, sharded)
+        return _new_signature(query, key, value, scaling, sharding, sharded)
     facts = (
         query.shape,
-        key.shape[1],
         query.dtype,
+        key.dtype,
+        value.dtype,
+        key.shape[:2] + key.shape[3:],
+        value.shape[:2] + value.shape[3:],
+        key.shape[2:3] == value.shape[2:3],
+        query.device == key.device == value.device,
         scaling,
         sharded,
         sharding.strategy,
@@ -124,12 +142,12 @@ def _signature(query, key, scaling, sharding, sharded):
     if memo is None or memo[0] != facts:
         memo = sharding.signature_memo = (
             facts,
-            _new_signature(query, key, scaling, sharding, sharded),
+            _new_signature(query, key, value, scaling, sharding, sharded),
         )
     return memo[1]
 
 
-def _new_signature(query, key, scaling, sharding, sharded):
+def _new_signature(query, key, value, scaling, sharding, sharded):
     """Build :func:`_signature`'s dict."""
     b, hq, sq, d = (int(s) for s in query.shape)
     sig = {
@@ -137,9 +155,18 @@ def _new_signature(query, key, scaling, sharding, sharded):
         "batch": b,
         "q_heads": hq,
         "q_len": 0 if sharded else sq,  # prefill: each rank holds its own chunk
-        "kv_heads": int(key.shape[1]),
+        "kv_heads": int(key.shape[1]) if key.ndim > 1 else -1,
         "head_dim": d,
         "dtype": extend.dtype_name(query.dtype),
+        # key and value as the checks see them, but their (per-rank) length and device
+        "k/v": (
+            extend.dtype_name(key.dtype),
+            extend.dtype_name(value.dtype),
+            tuple(int(s) for s in key.shape[:2] + key.shape[3:]),
+            tuple(int(s) for s in value.shape[:2] + value.shape[3:]),
+            key.shape[2:3] == value.shape[2:3],
+            query.device == key.device == value.device,
+        ),
         "scaling": None if scaling is None else float(scaling),
         "strategy": None if sharding is None else sharding.strategy,
         "deterministic": None if sharding is None else sharding.deterministic,
@@ -169,7 +196,8 @@ class LayerStep:
                 f"this layer's attention {self.signature} differs from the step's first layer "
                 f"{self.agreed.signature}"
             )
-        keep = _step_visible(self.agreed.visible, self.mask, self.view, int(self.query.shape[0]))
+        rows = (int(self.query.shape[0]), int(self.query.shape[1]))
+        keep = _step_visible(self.agreed.visible, self.mask, self.view, rows)
         ns = extend.namespace(self.query)
         self.att = extend.Attention(
             ns, self.query, self.key, self.value, self.agreed.scale, None, keep
@@ -189,13 +217,13 @@ class LayerStep:
         self.att.attend_block(*args)
 
 
-def _view_visible(mask, view, batch):
-    """Return the step's visibility over this rank's shard of ``view``'s layer."""
+def _view_visible(mask, view, rows):
+    """Return the step's visibility over this rank's shard of ``view``'s layer; rows: (B, Hq)."""
     layer = view.layer
-    return _visible(mask, view.queries, layer.positions, layer.length, batch, view.sharded)
+    return _visible(mask, view.queries, layer.positions, layer.length, *rows, view.sharded)
 
 
-def _step_visible(memo, mask, view, batch):
+def _step_visible(memo, mask, view, rows):
     """Return ``_view_visible`` (None when all visible), computed once per step and mask.
 
     Every layer of a step has the same mask object (one per layer type) and the
@@ -204,7 +232,7 @@ def _step_visible(memo, mask, view, batch):
     """
     key = _visible_key(mask, view)
     if key not in memo:
-        memo[key] = (mask, _unless_all(_view_visible(mask, view, batch)))
+        memo[key] = (mask, _unless_all(_view_visible(mask, view, rows)))
     return memo[key][1]
 
 
@@ -299,7 +327,7 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, signature, pos
                 raise _refeed_error(view, positions)
             history = sharding.extended(positions, view.start)
         problem = _checked(query, key, value)
-        keep = _unless_all(_view_visible(mask, view, problem.batch))
+        keep = _unless_all(_view_visible(mask, view, (problem.batch, problem.q_heads)))
         opts = extend.Options.resolve(
             problem.head_dim,
             sharding.strategy,
@@ -378,14 +406,14 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
     mpitree's default communicator, so every rank must run the forward (a rank
     with a ShardedCache while another has none raises on every rank).
     """
-    view = getattr(key, "mpitree_view", None)
+    view = take_view(key)
     error = _unsupported(attention_mask, dropout, kw)
     if view is None:
         out = _unsharded(query, key, value, attention_mask, scaling, error)
         return out.transpose(1, 2).contiguous(), None
     view.error = view.error or error
     sharding = view.layer.sharding
-    signature = _signature(query, key, scaling, sharding, view.sharded)
+    signature = _signature(query, key, value, scaling, sharding, view.sharded)
     if sharding.agreed is None:  # the step's first attention call: every rank is here
         positions = _step_positions(kw, int(query.shape[0]), int(query.shape[2]))
         try:
@@ -402,7 +430,7 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
         records = _invariant_records(step, sharding)
     else:
         records = sharding.agreed.merger.merge(step).reshape(*query.shape[:3], -1)
-    return extend.finish(records, query, layout="bshd"), None
+    return extend.finish(records, query, layout="bshd", inputs=(query, key, value)), None
 
 
 def _unsupported(mask, dropout, kw):
@@ -437,11 +465,11 @@ def _unsharded(query, key, value, mask, scaling, error):
         q0, k0 = (mask.q_offset, mask.kv_offset) if isinstance(mask, ShardMask) else (t - sq, 0)
         queries = torch.arange(q0, q0 + sq, device=query.device)
         keys = torch.arange(k0, k0 + t, device=query.device)
-        keep = _visible(mask, queries, keys, t, problem.batch)
+        keep = _visible(mask, queries, keys, t, problem.batch, problem.q_heads)
         scale = extend.Options.resolve(d, scale=scaling).scale
         records = np.empty((b, hq, sq, d + 2), dtype=problem.acc)
         _local_attention(query, key, value, scale, keep).fill(records)
-        signature = _signature(query, key, scaling, None, False)
-        return extend.Call(signature, extend.finish(records, query))
+        signature = _signature(query, key, value, scaling, None, False)
+        return extend.Call(signature, extend.finish(records, query, inputs=(query, key, value)))
 
     return extend.agree(extend.check_comm(None), prepare).payload

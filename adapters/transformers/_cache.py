@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -109,13 +110,37 @@ class Sharding:
 
 @dataclass
 class View:
-    """What the attention function needs about one layer's step: attached to its keys."""
+    """What the attention function needs about one layer's step (see :func:`take_view`)."""
 
+    keys: torch.Tensor  # the very tensor the layer's update returned
     layer: ShardedLayer
     queries: torch.Tensor  # (Sq,) int64 global indices of the queries this rank attends for
     sharded: bool  # True under :func:`prefill`: queries are every rank's chunk, rank-major
     start: int  # the layer's global length before this step
     error: Exception | None = None  # the cache update failed on this rank: raised in the guard
+
+
+_handoff = threading.local()  # .view: the View of the last update in this thread, until taken
+
+
+def _hand_over(view):
+    """Leave ``view`` for the attention call that follows the update; return its keys."""
+    _handoff.view = view
+    return view.keys
+
+
+def take_view(key):
+    """Return the :class:`View` of the update that returned ``key``, or None; clear the slot.
+
+    transformers calls a layer's attention with exactly the tensors its cache update
+    returned, so a ShardedCache step is recognised by identity: nothing is attached
+    to the tensors (they pickle and save like any tensor, and keep no layer alive).
+    """
+    view = getattr(_handoff, "view", None)
+    if view is None or view.keys is not key:
+        return None
+    _handoff.view = None
+    return view
 
 
 def _prefix_of(x, buffer):
@@ -168,21 +193,20 @@ class ShardedLayer(CacheLayerMixin):
         """Store the new tokens this rank owns; return the shard with its :class:`View`.
 
         Never raises: a failure (a batch size that changed, a bad prefill step) is
-        attached to the returned keys and raised by the attention function inside
-        mpitree's guard, so that every rank raises it, not only the ranks that
-        own the new tokens.
+        handed to the attention function with the step's :class:`View` and raised
+        inside mpitree's guard, so that every rank raises it, not only the ranks
+        that own the new tokens.
         """
         try:
-            return self._update(key_states, value_states)
+            view = self._update(key_states, value_states)
         except Exception as exc:
-            keys = key_states[:, :, :0]
-            keys.mpitree_view = View(
-                self, torch.empty(0, dtype=torch.long), False, self.length, exc
-            )
-            return keys, value_states[:, :, :0]
+            empty = torch.empty(0, dtype=torch.long)
+            view = View(key_states[:, :, :0], self, empty, False, self.length, exc)
+            return _hand_over(view), value_states[:, :, :0]
+        return _hand_over(view), self.values
 
     def _update(self, key_states, value_states):
-        """:meth:`update`, raising on failure."""
+        """:meth:`update`, raising on failure; return the step's :class:`View`."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.keys.shape[0] or key_states.shape[1] != self.keys.shape[1]:
@@ -219,8 +243,7 @@ class ShardedLayer(CacheLayerMixin):
             v = value_states if take is None else value_states.index_select(2, take)
             self._append(k, v, owned.to(self.device))
         self.length = stop
-        self.keys.mpitree_view = View(self, queries.to(self.device), step is not None, start)
-        return self.keys, self.values
+        return View(self.keys, self, queries.to(self.device), step is not None, start)
 
     def _append(self, k, v, owned):
         """Append ``k``/``v`` and their global indices ``owned`` in place, into spare room.

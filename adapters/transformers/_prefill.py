@@ -76,7 +76,8 @@ def sharded_attention(query, step):
 
     merged = reduce_scatter_records(comm, records, prefill_step.counts, b * hq, fill)
     merged = merged.reshape(own, b, hq, d + 2).transpose(1, 2, 0, 3)
-    out = extend.finish(np.ascontiguousarray(merged), query)
+    inputs = (query, step.key, step.value)
+    out = extend.finish(np.ascontiguousarray(merged), query, inputs=inputs)
     return torch.cat([out, out.new_zeros(b, hq, sq - own, d)], 2) if own < sq else out
 
 
