@@ -386,7 +386,9 @@ class ShardedCache(Cache):
     rank and leaves the cache as it was.
 
     ``copy.deepcopy(cache)`` copies the shards and shares the communicator, so a
-    prefilled prompt can be reused, as with ``DynamicCache``.
+    prefilled prompt can be reused, as with ``DynamicCache``. Its keys and values are
+    plain tensors that pickle and save like ``DynamicCache``'s; see :meth:`crop` for
+    the one difference in how they alias.
     """
 
     @extend.entry_point
@@ -446,7 +448,12 @@ class ShardedCache(Cache):
         return self.layers[layer_idx].update(key_states, value_states)
 
     def crop(self, tokens_to_remove):
-        """Drop the last ``-tokens_to_remove`` global tokens of every layer (negative count)."""
+        """Drop the last ``-tokens_to_remove`` global tokens of every layer (negative count).
+
+        Unlike ``DynamicCache``'s, the shards stay views of buffers that later tokens
+        are appended into: a key or value tensor taken before the crop sees them in
+        the cropped-off range (``clone()`` what you keep across a crop).
+        """
         super().crop(tokens_to_remove)
         self.sharding.follow_rows(lambda history: history[:, : self.get_seq_length()])
 
