@@ -34,6 +34,7 @@ except ImportError as exc:
 
 from ._attention import ShardMask, attention_interface, mask_interface
 from ._cache import PLACEMENTS, ShardedCache
+from ._checkpoint import default_model, load
 from ._drafters import Drafter, DraftModel, PromptLookup
 from ._generate import Speculation, generate
 from ._prefill import prefill
@@ -48,7 +49,9 @@ __all__ = [
     "ShardedCache",
     "Speculation",
     "attention_interface",
+    "default_model",
     "generate",
+    "load",
     "mask_interface",
     "prefill",
     "register",

@@ -122,8 +122,68 @@ def _draft(drafter, tokens, mask, depth, vocab):
     return beam
 
 
+class _Stops:
+    """Which rows have ended, by an end-of-sequence token or a stop string (as ``generate``)."""
+
+    def __init__(self, model, prompt_len, batch, eos_token_id, pad_token_id, stop, tokenizer):
+        config = model.generation_config
+        eos = config.eos_token_id if eos_token_id is None else eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        pad = config.pad_token_id if pad_token_id is None else pad_token_id
+        if pad is None and eos:
+            pad = eos[0]  # as model.generate does, with a warning
+        if stop and tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer (tokenizer=...)")
+        self.eos, self.pad = torch.tensor(eos, dtype=torch.long), pad
+        self.stop, self.tokenizer = [stop] if isinstance(stop, str) else list(stop or ()), tokenizer
+        self.start = prompt_len
+        self.end = torch.full((batch,), -1, dtype=torch.long)  # sequence length at the end
+
+    def see(self, tokens, new):
+        """Note the rows that ended among the last ``new`` tokens of ``tokens`` ``(B, S)``."""
+        for b in (self.end < 0).nonzero()[:, 0].tolist():
+            for j in range(tokens.shape[1] - new, tokens.shape[1]):
+                if bool(torch.isin(tokens[b, j], self.eos)) or self._stopped(tokens[b, : j + 1]):
+                    self.end[b] = j + 1
+                    break
+
+    def _stopped(self, row):
+        """Whether the row's generated text contains a stop string."""
+        if not self.stop:
+            return False
+        text = self.tokenizer.decode(row[self.start :])
+        return any(s in text for s in self.stop)
+
+    @property
+    def all_done(self):
+        """Whether every row has ended."""
+        return bool((self.end >= 0).all())
+
+    def finish(self, tokens):
+        """Pad every row after its end; cut after the last row's end once all have ended."""
+        if self.end.numel() and self.all_done:
+            tokens = tokens[:, : int(self.end.max())]
+        if self.pad is not None:
+            after = torch.arange(tokens.shape[1])[None, :] >= self.end[:, None]
+            tokens = tokens.masked_fill(after & (self.end[:, None] >= 0), self.pad)
+        return tokens
+
+
 @extend.entry_point
-def generate(model, input_ids, cache, *, drafter, max_new_tokens, attention_mask=None):
+def generate(
+    model,
+    input_ids,
+    cache,
+    *,
+    drafter,
+    max_new_tokens,
+    attention_mask=None,
+    eos_token_id=None,
+    pad_token_id=None,
+    stop_strings=None,
+    tokenizer=None,
+    streamer=None,
+):
     """Greedy speculative decoding over a :class:`ShardedCache`; exact, token for token.
 
     Each step, the drafter proposes a tree of candidates after the pending token;
@@ -150,15 +210,30 @@ def generate(model, input_ids, cache, *, drafter, max_new_tokens, attention_mask
         Proposes ``(B, M, C)`` candidates (:class:`PromptLookup`,
         :class:`DraftModel`, or your own); runs locally on every rank.
     max_new_tokens : int
-        Exactly this many tokens are generated per row (no stop tokens).
+        At most this many tokens are generated per row.
     attention_mask : torch.Tensor, optional
         ``(B, S)``, 0 at left padding.
+    eos_token_id : int or list of int, optional
+        Tokens that end a row (default: the model's ``generation_config``); a row
+        ends after the first of them, as in ``model.generate``.
+    pad_token_id : int, optional
+        Fills a row after its end (default: ``generation_config``'s, else the
+        first end-of-sequence token).
+    stop_strings : str or list of str, optional
+        A row also ends at the token after which its generated text contains one
+        of them (needs ``tokenizer``).
+    tokenizer : transformers.PreTrainedTokenizerBase, optional
+        For ``stop_strings``.
+    streamer : transformers.generation.BaseStreamer, optional
+        Gets ``put(prompt)``, then row 0's new tokens after every step, then
+        ``end()`` (batch 1, as transformers' streamers), on the ranks that pass one.
 
     Returns
     -------
     Speculation
-        ``sequences`` ``(B, S + max_new_tokens)`` int64, equal to greedy
-        ``model.generate``'s, and per-step statistics.
+        ``sequences`` ``(B, S + n)`` int64, ``n <= max_new_tokens``, equal to greedy
+        ``model.generate``'s (rows ended early padded, the batch cut after its last
+        row's end), and per-step statistics.
 
     Raises
     ------
@@ -195,10 +270,15 @@ def generate(model, input_ids, cache, *, drafter, max_new_tokens, attention_mask
         ).logits
     tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], 1)
     mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    stops = _Stops(model, s, b, eos_token_id, pad_token_id, stop_strings, tokenizer)
+    stops.see(tokens, 1)
+    if streamer is not None:
+        streamer.put(input_ids[0].cpu())
+        streamer.put(tokens[0, s:].cpu())
     vocab = int(model.config.vocab_size)
     batch = torch.arange(b, device=tokens.device)
     steps = []
-    while tokens.shape[1] < s + max_new_tokens:
+    while tokens.shape[1] < s + max_new_tokens and not stops.all_done:
         depth = s + max_new_tokens - tokens.shape[1] - 1
 
         def prepare(tokens=tokens, mask=mask, depth=depth):
@@ -226,8 +306,17 @@ def generate(model, input_ids, cache, *, drafter, max_new_tokens, attention_mask
         tokens = torch.cat([tokens, new], 1)
         mask = torch.cat([mask, torch.ones_like(new)], 1)
         steps.append((accepted - 1, m, packed.tokens.shape[1]))
+        stops.see(tokens, new.shape[1])
+        if streamer is not None:  # row 0's new tokens up to its end
+            first = tokens.shape[1] - new.shape[1]
+            stop = tokens.shape[1] if stops.end[0] < 0 else int(stops.end[0])
+            if stop > first:
+                streamer.put(tokens[0, first:stop].cpu())
+    if streamer is not None:
+        streamer.end()
     accepted = (
         torch.stack([a for a, _, _ in steps]) if steps else torch.zeros(0, b, dtype=torch.long)
     )
     committed = torch.tensor([m for _, m, _ in steps], dtype=torch.long)
-    return Speculation(tokens, accepted, committed, torch.tensor([n for _, _, n in steps]))
+    tree_nodes = torch.tensor([n for _, _, n in steps])
+    return Speculation(stops.finish(tokens), accepted, committed, tree_nodes)

@@ -1,4 +1,4 @@
-"""Command line: ``mpiexec -n 4 python -m mpitree demo`` (or ``bench``, ``merge``, ``model``)."""
+"""Command line: ``mpiexec -n 4 python -m mpitree demo`` (or ``generate``, ``bench``, ...)."""
 
 import argparse
 import sys
@@ -10,11 +10,13 @@ from .. import __version__
 from .._runtime import default_comm
 from . import bench as bench_cli
 from . import demo as demo_cli
+from . import generate as generate_cli
 from . import merge as merge_cli
 from . import model as model_cli
 
 COMMANDS = {
     "demo": (demo_cli, "check and time every strategy on a synthetic context"),
+    "generate": (generate_cli, "greedy decoding of a real model over a sharded KV cache"),
     "bench": (bench_cli, "latency, bytes and peak memory of every strategy"),
     "model": (model_cli, "predicted step times from the alpha-beta cost model"),
     "merge": (merge_cli, "time one cross-rank merge with every method"),
@@ -69,5 +71,7 @@ def main(argv=None):
             return 2
     if args.command == "demo":
         return 1 if demo_cli.run(args) else 0
+    if args.command == "generate":
+        return generate_cli.run(args)
     COMMANDS[args.command][0].run(args)
     return 0
