@@ -122,3 +122,31 @@ def test_prompt_lookup_on_a_copying_task():
     )
     same_text(tokenizer, spec.sequences, want, ids.shape[1])
     assert spec.committed.float().mean() > 1.5  # it copies: several tokens per step
+
+
+def test_generate_command_checks_against_one_process():
+    """``python -m mpitree generate --check`` on 2 ranks: the answer streams, then PASS."""
+    import sys
+
+    from launch import run
+
+    smollm2()  # skips without the model package
+    res = run(
+        2,
+        [sys.executable, "-m", "mpitree", "generate", "--check", "--max-new-tokens", "12"],
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "Paris" in res.stdout
+    assert "PASS: token ids identical" in res.stdout
+    assert "cache per rank" in res.stdout and "time to first token" in res.stdout
+
+
+def test_generate_command_without_the_model_fails_on_every_rank(tmp_path):
+    import sys
+
+    from launch import run
+
+    res = run(2, [sys.executable, "-m", "mpitree", "generate", "--model", str(tmp_path / "x")])
+    assert res.returncode != 0
+    assert res.stderr.count("is neither a Hugging Face checkpoint directory") == 2, res.stderr

@@ -73,7 +73,7 @@ class PromptLookup:
     ``n`` real tokens occurred (prompt or generated text, most recent first)
     proposes the tokens that followed it. Several matches make a tree: they share
     prefixes where their continuations agree. A row without any match proposes its
-    last token again.
+    last token again; when no row has a match, the step drafts nothing (a plain step).
 
     Parameters
     ----------
@@ -100,6 +100,8 @@ class PromptLookup:
             self._matches(seq[keep.bool()], width)
             for seq, keep in zip(tokens, attention_mask, strict=True)
         ]
+        if not any(rows):
+            return tokens.new_empty(tokens.shape[0], 1, 0)
         return _beam(rows, tokens[:, -1])
 
     def _matches(self, seq, width):
