@@ -80,11 +80,13 @@ def shards_partition(cache, total):
 
 
 @pytest.mark.parallel(nprocs=[1, 2, 3, 4])
+@pytest.mark.parametrize("budget", ["every step", "adaptive"])
 @pytest.mark.parametrize("placement", mtt.PLACEMENTS)
 @pytest.mark.parametrize(
     "case", ["lookup-accepting", "lookup-rejecting", "draft-accepting", "draft-rejecting"]
 )
-def test_tokens_and_cache_equal_plain_greedy(placement, case):
+def test_tokens_and_cache_equal_plain_greedy(placement, case, budget):
+    """Drafting every step (node_cost=None), or under the adaptive budget: plain greedy."""
     model = tiny_llama()
     ids, mask, drafter = case_inputs(case, model)
     eager, sdpa = (greedy(model, ids, mask, impl) for impl in ("eager", "sdpa"))
@@ -92,13 +94,22 @@ def test_tokens_and_cache_equal_plain_greedy(placement, case):
     plain = mtt.ShardedCache(model.config, placement=placement, block_size=4)
     assert torch.equal(greedy(model, ids, mask, "mpitree", plain), eager)
     cache = mtt.ShardedCache(model.config, placement=placement, block_size=4)
-    out = mtt.generate(model, ids, cache, drafter=drafter, max_new_tokens=NEW, attention_mask=mask)
+    cost = {"node_cost": None} if budget == "every step" else {}
+    out = mtt.generate(
+        model, ids, cache, drafter=drafter, max_new_tokens=NEW, attention_mask=mask, **cost
+    )
     assert torch.equal(out.sequences, eager)
     assert_same_cache(cache, plain)
     shards_partition(cache, ids.shape[1] + NEW - 1)
     assert int(out.committed.sum()) == NEW - 1  # the first token comes from the prompt's step
     assert out.accepted.shape == (len(out.committed), 2)
     assert bool((out.committed == out.accepted.min(-1).values + 1).all())
+    if budget == "adaptive":  # plain steps where drafts did not pay: one node, one token
+        plain_steps = out.tree_nodes == 1
+        assert bool((out.committed[plain_steps] == 1).all())
+        if case.endswith("-rejecting"):
+            assert int(plain_steps.sum()) > len(out.committed) // 2, out.tree_nodes
+        return
     rate = out.accepted.float().mean()
     if case.endswith("-accepting"):
         assert rate >= 2, out.accepted
@@ -178,8 +189,13 @@ def test_prompt_lookup_makes_a_tree_of_its_matches():
     )
     # "5 6" was followed by "8 2" and by "7 1"; then "6" by the same: no new candidate
     assert beam.tolist() == [[[8, 2], [7, 1]]]
-    none = torch.tensor([[1, 2, 3]])  # no earlier match: the last token again
-    assert mtt.PromptLookup().propose(none, torch.ones_like(none), 4).tolist() == [[[3]]]
+    none = torch.tensor([[1, 2, 3]])  # no earlier match in any row: no draft (a plain step)
+    assert mtt.PromptLookup().propose(none, torch.ones_like(none), 4).shape == (1, 1, 0)
+    rows = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 5]])  # row 0 has none: its last token again
+    assert mtt.PromptLookup().propose(rows, torch.ones_like(rows), 2).tolist() == [
+        [[4, 4]],
+        [[6, 7]],
+    ]
 
 
 class Bad:
@@ -197,7 +213,6 @@ class Bad:
             "out of vocabulary": lambda: beam + VOCAB,
             "negative id": lambda: beam - VOCAB,
             "no candidates": lambda: beam[:, :0],
-            "no tokens": lambda: beam[:, :, :0],
             "deeper than what is left": lambda: torch.ones(b, m, depth + 1, dtype=torch.long),
             "float ids": lambda: beam.float(),
             "wrong batch": lambda: beam[:1],
@@ -210,7 +225,6 @@ BAD = {
     "out of vocabulary": "outside \\[0, 97\\)",
     "negative id": "outside \\[0, 97\\)",
     "no candidates": "empty draft",
-    "no tokens": "empty draft",
     "deeper than what is left": "deep, but only",
     "float ids": "integer token ids",
     "wrong batch": "\\(B=2, M, C\\)",
@@ -282,3 +296,24 @@ def test_speculative_example_runs_and_matches_plain_greedy():
     # assisted generation is batch 1 only)
     assert res.stdout.count("| yes |") == 6, res.stdout
     assert "| NO |" not in res.stdout, res.stdout
+
+
+class NoDraft:
+    """A drafter with nothing to propose: every step is the plain one."""
+
+    def propose(self, tokens, attention_mask, depth):
+        return tokens.new_empty(tokens.shape[0], 1, 0)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_no_draft_steps_are_plain_greedy():
+    model = tiny_llama()
+    ids, mask = prompt(15, True)
+    eager = greedy(model, ids, mask, "eager")
+    model.set_attn_implementation("mpitree")
+    cache = mtt.ShardedCache(model.config, block_size=4)
+    out = mtt.generate(
+        model, ids, cache, drafter=NoDraft(), max_new_tokens=NEW, attention_mask=mask
+    )
+    assert torch.equal(out.sequences, eager)
+    assert bool((out.tree_nodes == 1).all()) and bool((out.committed == 1).all())

@@ -109,7 +109,7 @@ def _draft(drafter, tokens, mask, depth, vocab):
     if beam.ndim != 3 or beam.shape[0] != b:
         raise ValueError(f"the drafter must return a (B={b}, M, C) draft, got {tuple(beam.shape)}")
     if beam.shape[1] < 1:
-        raise ValueError(f"the drafter returned no candidate {tuple(beam.shape)}")
+        raise ValueError(f"the drafter returned an empty draft {tuple(beam.shape)} (M = 0)")
     if beam.shape[2] == 0:  # nothing worth verifying: a plain step
         return torch.empty(b, 1, 0, dtype=torch.long)
     if beam.shape[2] > depth:
@@ -141,14 +141,16 @@ class _Budget:
 
     def drafts(self):
         """Whether this step asks the drafter."""
-        if self.node_cost is None or self.gain is None or self.worthwhile:
+        if self.worthwhile:
             return True
         self.wait -= 1
         return self.wait < 0
 
     @property
     def worthwhile(self):
-        """Whether drafting pays at the running acceptance."""
+        """Whether drafting pays at the running acceptance (always, without a cost)."""
+        if self.node_cost is None or self.gain is None:
+            return True
         return self.gain > self.node_cost * (self.nodes - 1)
 
     def saw(self, accepted, nodes):
