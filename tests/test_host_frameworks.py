@@ -8,10 +8,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from numpy.testing import assert_allclose
 from test_kernel import check_kernel_slot
-from test_state import random_state
+from test_state import poisoned_state, random_state
 
-from mpitree import extend
+from mpitree import combine, extend
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
@@ -40,3 +41,17 @@ def test_kernel_slot_over_torch_tensors(monkeypatch):
     neg = extend.Attention(extend.namespace(q), torch._neg_view(-q), k, v, 0.3, None, None)
     with pytest.raises(RuntimeError, match="negative bit"):  # as Attention.fill does
         slot.fill(neg, np.empty((q.shape[0] * q.shape[1], 18), np.float32))
+
+
+def test_combine_records_torch_is_the_same_definition():
+    """The torch merge (sharded prefill's staircase) is combine_records itself.
+
+    Same NaN pattern; values within float32 rounding (torch's exp and numpy's differ by
+    an ulp).
+    """
+    rng = np.random.default_rng(5)
+    a, b = (poisoned_state(rng, (64,), 9, np.float32) for _ in range(2))
+    got = extend.combine_records(torch.from_numpy(a.records), torch.from_numpy(b.records)).numpy()
+    ref = combine(a, b).records
+    assert np.array_equal(np.isnan(got), np.isnan(ref))
+    assert_allclose(got, ref, rtol=1e-6, atol=1e-7)

@@ -189,20 +189,3 @@ def test_native_combine_keeps_every_nan_as_numpy_does(seed, dim, dtype):
     assert np.array_equal(np.isnan(ref).any(-1), had)
     poisoned = np.isnan(a.m) | np.isnan(b.m)
     assert np.isnan(ref[poisoned]).all()
-
-
-def test_combine_records_torch_is_the_same_definition():
-    """The torch merge (sharded prefill's staircase) is combine_records itself.
-
-    Same NaN pattern; values within float32 rounding (torch's exp and numpy's differ by
-    an ulp).
-    """
-    torch = pytest.importorskip("torch")
-    rng = np.random.default_rng(5)
-    a, b = (poisoned_state(rng, (64,), 9, np.float32) for _ in range(2))
-    from mpitree.extend import combine_records
-
-    got = combine_records(torch.from_numpy(a.records), torch.from_numpy(b.records)).numpy()
-    ref = combine(a, b).records
-    assert np.array_equal(np.isnan(got), np.isnan(ref))
-    assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
