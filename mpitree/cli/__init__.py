@@ -9,6 +9,7 @@ from mpi4py import MPI
 from .. import __version__
 from .._runtime import default_comm
 from . import bench as bench_cli
+from . import cluster as cluster_cli
 from . import demo as demo_cli
 from . import generate as generate_cli
 from . import merge as merge_cli
@@ -20,6 +21,7 @@ COMMANDS = {
     "bench": (bench_cli, "latency, bytes and peak memory of every strategy"),
     "model": (model_cli, "predicted step times from the alpha-beta cost model"),
     "merge": (merge_cli, "time one cross-rank merge with every method"),
+    "cluster": (cluster_cli, "run an mpiexec job across emulated nodes with shaped links"),
 }
 PLOT_HINT = (
     "--plot needs matplotlib, which failed to import on at least one rank: install it with "
@@ -73,5 +75,7 @@ def main(argv=None):
         return 1 if demo_cli.run(args) else 0
     if args.command == "generate":
         return generate_cli.run(args)
+    if args.command == "cluster":
+        return cluster_cli.run(args)
     COMMANDS[args.command][0].run(args)
     return 0
