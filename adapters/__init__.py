@@ -4,7 +4,7 @@
 - ``mpitree.adapters.flash_attn``: local attention from ``flash_attn_with_kvcache``
   (contiguous or paged KV cache), merged by the tree.
 - ``mpitree.adapters.cupy``: :func:`tree_decode` for CuPy arrays (cuBLAS local
-  attention; on-device rank-ordered merge for ``allgather``).
+  attention; the small per-row states are merged through the host).
 - ``mpitree.adapters.transformers``: ``attn_implementation="mpitree"`` and a
   ``ShardedCache`` for Hugging Face models.
 

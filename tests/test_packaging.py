@@ -1,14 +1,17 @@
 """Packaging: lazy optional imports, the public API, the demo and the fallback op."""
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from launch import run
 
 import mpitree
 
+ROOT = Path(__file__).resolve().parent.parent
 BLOCK_FRAMEWORKS = """
 import sys
 class Block:
@@ -157,3 +160,42 @@ def test_energy_example():
     assert res.returncode == 0, res.stdout + res.stderr
     gaps = [float(x.split(",")[0]) for x in res.stdout.split("= ")[1:3]]
     assert max(gaps) < 1e-10, res.stdout
+
+
+def ci_commands():
+    """The two commands from .ci/run's one marked place: {name: command}."""
+    text = (ROOT / ".ci" / "run").read_text()
+    block = text.split("# <commands>\n", 1)[1].split("# </commands>", 1)[0]
+    found = dict(re.findall(r"^(\w+)_command='(.*)'$", block, flags=re.M))
+    assert set(found) == {"main", "test"}, found
+    return found
+
+
+def test_readme_shows_the_commands_ci_runs():
+    """The README's two set-up commands are, verbatim, the ones CI runs, in bash blocks."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```bash\n(.*?)^```", readme, flags=re.M | re.S)
+    lines = {line for b in blocks for line in b.splitlines()}
+    for name, command in ci_commands().items():
+        assert command in lines, f"README lacks CI's {name} command: {command}"
+
+
+def test_readme_and_guide_links_resolve():
+    """Every relative link in the README and the guide names a file of the checkout."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).exists(), (page.name, target)
+
+
+def test_layout_page_names_every_module():
+    """docs/layout.md's module table lists every module of the package, and no other."""
+    table = set(re.findall(r"^\| `([^`]+)` \|", (ROOT / "docs" / "layout.md").read_text(), re.M))
+    modules = {
+        str(p.relative_to(ROOT))
+        for folder in ("mpitree", "adapters")
+        for p in (ROOT / folder).rglob("*")
+        if p.suffix in (".py", ".c") and "__pycache__" not in p.parts
+    }
+    assert table == modules, (sorted(modules - table), sorted(table - modules))
