@@ -23,6 +23,7 @@ Examples
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import secrets
@@ -362,6 +363,22 @@ class Cluster:
             signum, handler = self._handlers.popitem()
             signal.signal(signum, handler)
 
+    def link_bytes(self, node) -> tuple[int, int]:
+        """Return the bytes node ``node`` (an index) has sent and received over its link.
+
+        Counted by the kernel on the node's veth, so they include TCP/IP headers and
+        mpiexec's own control traffic.
+
+        Returns
+        -------
+        (int, int)
+            ``(sent, received)`` since the cluster was made.
+        """
+        dev = f"mtn{node}-{self.tag}"
+        out = _ip("-n", self.names[node], "-s", "-j", "link", "show", "dev", dev).stdout
+        stats = json.loads(out)[0]["stats64"]
+        return stats["tx"]["bytes"], stats["rx"]["bytes"]
+
     # -- launching ---------------------------------------------------------------
 
     def command(self, command, ranks_per_node=1) -> list[str]:
@@ -396,6 +413,34 @@ class Cluster:
             "--map-by", f"ppr:{rpn}:node", "-n", total, *command,
         ]  # fmt: skip
 
+    def start(self, command, ranks_per_node=1, *, env=None, **popen):
+        """Start ``command`` under mpiexec across the nodes; return its :class:`subprocess.Popen`.
+
+        mpiexec runs in the head namespace, in a session of its own. Leaving the
+        context stops whatever of the job is still running.
+
+        Parameters
+        ----------
+        command : sequence of str
+            The program each rank runs, e.g. ``["python", "prog.py"]``.
+        ranks_per_node : int
+            Ranks on each node (consecutive ranks share a node).
+        env : dict, optional
+            Environment for mpiexec (and so the ranks); default: this process's.
+            Entries of :func:`network_env` are added where ``env`` lacks them.
+        **popen
+            Passed to :class:`subprocess.Popen` (``stdout``, ``text``, ...).
+
+        Returns
+        -------
+        subprocess.Popen
+        """
+        if not self._made or self._closed:
+            raise ClusterError("the cluster is not up: use it inside 'with Cluster(...)'")
+        argv = ["ip", "netns", "exec", self.head, *self.command(command, ranks_per_node)]
+        full_env = {**network_env(self.mpiexec, self.kind), **(os.environ if env is None else env)}
+        return subprocess.Popen(argv, env=full_env, start_new_session=True, **popen)
+
     def run(self, command, ranks_per_node=1, *, env=None, timeout=None, capture=False):
         """Run ``command`` under mpiexec across the nodes; return when it exits.
 
@@ -418,21 +463,15 @@ class Cluster:
         subprocess.CompletedProcess
             With ``returncode`` the exit code of mpiexec.
         """
-        if not self._made or self._closed:
-            raise ClusterError("the cluster is not up: use it inside 'with Cluster(...)'")
-        argv = ["ip", "netns", "exec", self.head, *self.command(command, ranks_per_node)]
-        full_env = {**network_env(self.mpiexec, self.kind), **(os.environ if env is None else env)}
         pipe = subprocess.PIPE if capture else None
-        proc = subprocess.Popen(
-            argv, env=full_env, stdout=pipe, stderr=pipe, text=True, start_new_session=True
-        )
+        proc = self.start(command, ranks_per_node, env=env, stdout=pipe, stderr=pipe, text=True)
         try:
             out, err = proc.communicate(timeout=timeout)
         except BaseException:  # timeout, Ctrl-C, SIGTERM: stop the job, then re-raise
             _stop_group(proc)
             _kill_namespaces([self.head, *self.names])
             raise
-        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _stop_group(proc):

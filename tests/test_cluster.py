@@ -1,0 +1,206 @@
+"""The emulated cluster (mpitree.cluster): every strategy exact across real TCP links between
+network namespaces, the hierarchical layout found by MPI, shaped links, and teardown always."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mpitree.cluster import Cluster, ClusterError, parse_rate
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+PROG = str(HERE / "cluster_prog.py")
+ENV = {k: v for k, v in os.environ.items() if k != "MPITREE_NODE_SIZE"}
+SLEEPER = (
+    "import os, sys, time; from mpi4py import MPI; "
+    "sys.stdout.write(f'ready {MPI.COMM_WORLD.rank} {os.getpid()}\\n'); sys.stdout.flush(); "
+    "time.sleep(300)"
+)
+
+
+def leftovers(tag):
+    """Return what of run ``tag`` still exists: namespaces, links, processes."""
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    found = [line for line in (spaces + links).splitlines() if tag in line]
+    procs = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return found + [line for line in procs.splitlines() if f"mpitree-{tag}" in line]
+
+
+def alive(pid):
+    """Whether process ``pid`` exists (and is not a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "nodes,rpn,link", [(2, 1, "1gbit"), (2, 2, None), (3, 1, None), (3, 2, "100mbit")]
+)
+def test_every_strategy_exact_across_nodes(nodes, rpn, link):
+    with Cluster(nodes, link=link) as cluster:
+        tag = cluster.tag
+        argv = [PY, PROG, "--nodes", str(nodes), "--ranks-per-node", str(rpn)]
+        res = cluster.run(argv, rpn, env=ENV, capture=True, timeout=150)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"{nodes} nodes x {rpn} ranks: all exact" in res.stdout
+    assert leftovers(tag) == []
+
+
+def test_traffic_crosses_the_shaped_link():
+    # 2 MB per rank at 100 Mbit/s: at least 0.17 s on the wire, and at least 2 MB through
+    # each node's veth; UCX's shared memory between namespaces of one kernel would skip both
+    code = (
+        "import time, numpy as np; from mpi4py import MPI; c = MPI.COMM_WORLD; "
+        "a = np.ones(2**18); b = np.empty_like(a); c.Allreduce(a, b); c.Barrier(); "
+        "t = time.perf_counter(); c.Allreduce(a, b); t = c.allreduce(time.perf_counter() - t, "
+        "op=MPI.MAX); print('seconds', t, flush=True) if c.rank == 0 else None"
+    )
+    with Cluster(2, link="100mbit") as cluster:
+        before = [cluster.link_bytes(i) for i in (0, 1)]
+        res = cluster.run([PY, "-c", code], 2, env=ENV, capture=True, timeout=120)
+        after = [cluster.link_bytes(i) for i in (0, 1)]
+    assert res.returncode == 0, res.stdout + res.stderr
+    seconds = float(res.stdout.split()[-1])
+    assert seconds >= 0.8 * 2**18 * 8 * 8 / 100e6, seconds
+    for (tx0, rx0), (tx1, rx1) in zip(before, after, strict=True):
+        assert tx1 - tx0 >= 2 * 2**21 and rx1 - rx0 >= 2 * 2**21, (before, after)
+
+
+def test_teardown_after_a_failing_command():
+    with Cluster(2, link="1gbit") as cluster:
+        tag = cluster.tag
+        res = cluster.run(["sh", "-c", "exit 3"], 1, capture=True, timeout=60)
+        assert leftovers(tag) != []  # the cluster exists while in use
+    assert res.returncode == 3
+    assert leftovers(tag) == []
+
+
+def test_teardown_after_an_exception_and_a_timeout():
+    with pytest.raises(RuntimeError, match="boom"), Cluster(2) as cluster:
+        tag = cluster.tag
+        raise RuntimeError("boom")
+    assert leftovers(tag) == []
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired), Cluster(2) as cluster:
+        tag = cluster.tag
+        cluster.run([PY, "-c", SLEEPER], 2, env=ENV, capture=True, timeout=8)
+    assert time.monotonic() - start < 30
+    assert leftovers(tag) == []
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 128 + 15)])
+def test_teardown_after_a_signal_to_the_harness(sig, code):
+    cmd = [PY, "-m", "mpitree", "cluster", "--nodes", "2", "--ranks-per-node", "2"]
+    proc = subprocess.Popen(
+        [*cmd, "--", PY, "-c", SLEEPER], env=ENV, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        banner = proc.stderr.readline()
+        tag = banner.split("mpitree-")[1].split("-")[0]
+        ranks = [proc.stdout.readline().split() for _ in range(4)]
+        assert sorted(int(r[1]) for r in ranks) == [0, 1, 2, 3], (banner, ranks)
+        pids = [int(r[2]) for r in ranks]
+        assert all(alive(p) for p in pids)
+        proc.send_signal(sig)  # to the harness alone, not its process group
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # the harness tears its cluster down
+            proc.wait(timeout=60)
+    assert proc.returncode == code, err
+    assert leftovers(tag) == []
+    assert not any(alive(p) for p in pids)
+
+
+def test_killing_a_node_ends_the_job_with_an_error():
+    # every rank of node 1 dies in the middle of a decode loop: mpiexec must exit non-zero
+    code = (
+        "import numpy as np, mpitree; from mpi4py import MPI; rng = np.random.default_rng(0); "
+        "q = rng.standard_normal((1, 8, 1, 64)).astype(np.float32); "
+        "k = rng.standard_normal((1, 2, 4096, 64)).astype(np.float32); "
+        "plan = mpitree.DecodePlan(1, 8, 2, 64, strategy='hierarchical'); "
+        "[plan.decode(q, k, k) for _ in range(5)]; "
+        "MPI.COMM_WORLD.rank or print('decoding', flush=True); "
+        "[plan.decode(q, k, k) for _ in range(10**7)]"
+    )
+    with Cluster(2, link="1gbit") as cluster:
+        tag = cluster.tag
+        job = cluster.start(
+            [PY, "-c", code], 2, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        assert job.stdout.readline().strip() == "decoding"
+        victims = subprocess.run(
+            ["ip", "netns", "pids", cluster.names[1]], capture_output=True, text=True
+        ).stdout.split()
+        start = time.monotonic()
+        for pid in victims:
+            os.kill(int(pid), signal.SIGKILL)
+        _out, err = job.communicate(timeout=60)
+        elapsed = time.monotonic() - start
+    assert job.returncode != 0, err
+    assert elapsed < 30, elapsed
+    assert leftovers(tag) == []
+
+
+def test_not_root_is_a_clear_error():
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    res = subprocess.run(
+        [*nobody, PY, "-m", "mpitree", "cluster", "--", "true"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 2
+    assert "needs root" in res.stderr
+
+
+def test_latency_without_netem_is_a_clear_error():
+    # netem present: the job runs; netem missing (this machine type): a clear error
+    res = subprocess.run(
+        [PY, "-m", "mpitree", "cluster", "--latency", "1ms", "--", "true"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if res.returncode:
+        assert res.returncode == 2 and "netem" in res.stderr, res.stderr
+    else:
+        assert "links" in res.stderr
+
+
+def test_bad_requests_are_refused():
+    assert parse_rate("1gbit") == 10**9 and parse_rate("100mbit") == 10**8
+    assert parse_rate("2.5gbit") == 2_500_000_000 and parse_rate("unshaped") is None
+    for bad in ("fast", "1gb", "-1mbit", "1bit", True):
+        with pytest.raises(ClusterError, match="link rate"):
+            parse_rate(bad)
+    for kw in ({"nodes": 0}, {"nodes": 2.0}, {"latency": "soon"}):
+        with pytest.raises(ClusterError):
+            Cluster(**{"nodes": 2, **kw})
+    with Cluster(1) as cluster, pytest.raises(ClusterError, match="ranks_per_node"):
+        cluster.run(["true"], 0)
+    with pytest.raises(ClusterError, match="not up"):
+        cluster.run(["true"])
+
+
+def test_cli_runs_the_command_and_returns_its_exit_code():
+    res = subprocess.run(
+        [PY, "-m", "mpitree", "cluster", "--nodes", "2", "--ranks-per-node", "2", "--link",
+         "1gbit", "--", PY, "-c", "import socket; print(socket.gethostname())"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    hosts = sorted(res.stdout.split())
+    tag = hosts[0].split("-")[1]
+    assert hosts == [f"mpitree-{tag}-n{i}" for i in (0, 0, 1, 1)]
+    assert leftovers(tag) == []
+    res = subprocess.run(
+        [PY, "-m", "mpitree", "cluster", "--", "sh", "-c", "exit 5"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 5, res.stderr
+    assert leftovers(res.stderr.split("mpitree-")[1].split("-")[0]) == []
