@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
+from ._op import native_op_available, record_op
 from ._runtime import check_mpi_usable, default_comm
 
 MAX_FIELDS = 24
@@ -155,16 +156,66 @@ class Call:
         will need; it is created inside the guarded local phase.
     native : bool
         After :func:`agree`: whether every rank has the compiled op (a shared fact).
+    key : hashable or None
+        A key that determines ``signature`` and ``op`` exactly (types and signs of
+        zero included): :func:`agree` then encodes them once per key and entry point.
     """
 
     signature: dict
     payload: object = None
     op: tuple | None = None
     native: bool = field(default=True)
+    key: object = None
+
+
+_OK = 1 << 62  # an agreement's verdict slot on a rank whose local phase passed
+_WIDE = 2 + 2 * MAX_FIELDS
+_encoded: dict = {}  # (entry point, Call.key) -> _Encoding
+
+
+class _Encoding:
+    """A call's signature as agreement vectors: the compact one sent, the per-field one kept."""
+
+    __slots__ = ("compact", "expected", "wide")
+
+    def __init__(self, fields, op):
+        if len(fields) > MAX_FIELDS:
+            raise RuntimeError(f"mpitree internal error: {len(fields)} signature fields")
+        codes = [_code(v) for v in fields.values()]
+        if op is not None:
+            record_op(*op)
+        native = int(native_op_available())
+        pad = [0] * (MAX_FIELDS - len(codes))
+        self.wide = np.array([_OK, native, *codes, *pad, *(-c for c in codes), *pad], np.int64)
+        whole = _code(tuple(codes))
+        self.compact = np.array([_OK, native, whole, -whole], np.int64)
+        self.expected = self.compact.tobytes()
+
+
+def _encoding(entry, call):
+    """Return the call's :class:`_Encoding`, cached under ``call.key`` when it has one."""
+    fields = {"entry point": entry, **call.signature}
+    if call.key is None:
+        return _Encoding(fields, call.op)
+    key = (entry, call.key)
+    found = _encoded.get(key)
+    if found is None:
+        found = _Encoding(fields, call.op)
+        if len(_encoded) < 4096:
+            _encoded[key] = found
+    return found
+
+
+_FAILED = np.array([_OK, 0, 0, 0], np.int64)
 
 
 def agree(comm, prepare):
     """Run ``prepare()`` locally, then agree on its verdict and signature in one collective.
+
+    The collective is an ``MPI_Allreduce(MIN)`` of four int64: the verdict
+    (the lowest failing rank), whether the native op is there, and a 56-bit code
+    of the whole signature and its negation. When the codes differ between ranks,
+    one more collective (failure path only) finds the fields that differ.
 
     Parameters
     ----------
@@ -185,36 +236,38 @@ def agree(comm, prepare):
         On every rank: the failing rank's own exception there, :class:`RankError`
         elsewhere; ``ValueError`` naming the fields when ranks disagree.
     """
-    from ._op import native_op_available, record_op
-
     entry = current_entry()
-    size, rank = comm.Get_size(), comm.Get_rank()
-    error, fields, codes, native, call = None, {}, [], 0, None
+    error = call = enc = None
     try:
         call = prepare()
-        fields = {"entry point": entry, **call.signature}
-        if len(fields) > MAX_FIELDS:
-            raise RuntimeError(f"mpitree internal error: {len(fields)} signature fields")
-        codes = [_code(v) for v in fields.values()]
-        if call.op is not None:
-            record_op(*call.op)
-        native = int(native_op_available())
+        enc = _encoding(entry, call)
+        buf = enc.compact.copy()
     except Exception as exc:  # every local failure becomes this rank's verdict
         error = exc
-    pad = [0] * (MAX_FIELDS - len(codes))
-    verdict = rank if error is not None else size
-    buf = np.array([verdict, native, *codes, *pad, *(-c for c in codes), *pad], dtype=np.int64)
-    if size > 1:
+        buf = _FAILED.copy()
+        buf[0] = comm.Get_rank()
+    if comm.Get_size() > 1:
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MIN)
-    values = buf.tolist()
-    if values[0] < size:
+        if error is None and buf.tobytes() == enc.expected:
+            call.native = True
+            return call
+    if buf[0] != _OK:
         raise_failure(comm, error)
-    lo, hi = values[2 : 2 + MAX_FIELDS], values[2 + MAX_FIELDS :]
-    differ = [i for i in range(MAX_FIELDS) if lo[i] != -hi[i]]
-    if differ:
-        _raise_disagreement(comm, fields, differ)
-    call.native = bool(values[1])
+    if buf[2] != -buf[3]:
+        _find_disagreement(comm, {"entry point": entry, **call.signature}, enc.wide)
+    call.native = bool(buf[1])
     return call
+
+
+def _find_disagreement(comm, fields, wide):
+    """Raise on every rank: the signature codes differ (failure path: two more collectives)."""
+    buf = wide.copy()
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MIN)
+    lo, hi = buf[2 : 2 + MAX_FIELDS].tolist(), buf[2 + MAX_FIELDS :].tolist()
+    differ = [i for i in range(MAX_FIELDS) if lo[i] != -hi[i]]
+    if not differ:
+        raise RuntimeError("mpitree internal error: signature codes differ but no field does")
+    _raise_disagreement(comm, fields, differ)
 
 
 def _raise_disagreement(comm, fields, differ):

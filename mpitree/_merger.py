@@ -84,15 +84,13 @@ class Merger:
         Exception
             On every rank when any rank's local work failed.
         """
-        fill = getattr(local, "fill", local)
         error = None
         try:
-            fill(self.records)
+            getattr(local, "fill", local)(self.records)
         except Exception as exc:  # the verdict rides in the merge collective
             error = exc
             empty_records(self.records)
-        failed = self._impl.reduce(local, error is not None)
-        if failed:
+        if self._impl.reduce(local, error is not None):
             error = error if error is not None else self._impl.error
             self._impl.error = None
             raise_failure(self.comm, error)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import threading
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +22,7 @@ from ._local import BLOCK_SCORES, attend
 from ._masks import visibility
 from ._merger import Merger, merger_for
 from ._namespace import Array, NumpyLike
-from ._options import INVARIANT, Options, dtype_name, resolve_scale
+from ._options import INVARIANT, NODE_SIZE_ENV, Options, dtype_name, resolve_scale
 from ._runtime import limit_blas_threads
 from ._state import State, finish
 from ._strategies import op_needed, resolve
@@ -507,6 +510,94 @@ class _LazyStep:
         self.step.attend_block(*args)
 
 
+def _options_key(strategy, scale, deterministic, node_size):
+    """Return a key that determines a one-shot call's resolved options exactly, or None.
+
+    None (options resolved afresh) for anything but a ``str`` strategy other than
+    the ring, ``scale`` None or a nonzero ``float`` (``-0.0 == 0.0``),
+    ``deterministic`` True or False and ``node_size`` None or an ``int``; with
+    ``node_size=None`` the key holds ``MPITREE_NODE_SIZE``, which it then reads.
+    """
+    if type(strategy) is not str or strategy == "ring":
+        return None
+    if not (deterministic is False or deterministic is True):
+        return None
+    if scale is not None and (type(scale) is not float or scale == 0.0):
+        return None
+    if node_size is None:
+        node_size = ("env", os.environ.get(NODE_SIZE_ENV))
+    elif type(node_size) is not int:
+        return None
+    return (strategy, scale, deterministic, node_size)
+
+
+class _Recurring:
+    """What a checked one-shot call leaves for later calls with its layout and options.
+
+    A later call with the same key (:func:`_layout` of its arrays and
+    :func:`_options_key` of its options) passes the same checks but those on the
+    shard length ``T``, which :meth:`call` repeats; it then reuses the signature,
+    the options and the bound C kernel, as a plan's step does.
+    """
+
+    __slots__ = ("_out", "blocks", "call", "prepared")
+
+    def __init__(self, call, prepared):
+        problem = call.payload[0]
+        self.call, self.prepared = call, prepared
+        self.blocks = BLOCK_SCORES // max(1, problem.batch * problem.q_heads)
+        self._out = (None, 0)
+
+    def _run(self, q, k, v, records):
+        """Run the bound kernel on this call's arrays (holding none of them afterwards)."""
+        if records is not self._out[0]:  # a merger hands the same buffer every call
+            self._out = (records, records.ctypes.data)
+        self.prepared.run_raw(q.ctypes.data, k.ctypes.data, v.ctypes.data, k.shape[2], self._out[1])
+
+    def call_for(self, q, k, v):
+        """Return this call's :class:`Call` if ``T``'s checks pass, else None (full checks)."""
+        t = k.shape[2]
+        if v.shape[2] != t:
+            return None
+        call = self.call
+        q_len = call.payload[0].q_len
+        if q_len > 1 and q_len > max(1, self.blocks // max(1, t)):
+            return None  # a prompt: attend() splits it into blocks of rows
+        problem, opts = call.payload
+        fill = functools.partial(self._run, q, k, v)
+        return Call(call.signature, (problem, opts, fill, None), op=call.op, key=call.key)
+
+
+_recurring = threading.local()  # per thread: a bound kernel is not reentrant
+_RECURRING_SIZE = 16
+
+
+def _recurring_calls():
+    """Return this thread's cache of :class:`_Recurring` calls (least recently used first)."""
+    cache = getattr(_recurring, "calls", None)
+    if cache is None:
+        cache = _recurring.calls = OrderedDict()
+    return cache
+
+
+def _remember(key, call, step):
+    """Keep a checked call's reusable parts under ``key`` once its key recurs.
+
+    The first call with a key only marks it seen: a loop whose every call has a
+    new layout (a cache that is reallocated as it grows) binds no kernel in vain.
+    """
+    if getattr(_recurring, "seen", None) != key:
+        _recurring.seen = key
+        return
+    prepared = Prepared.of(step.q, step.k, step.v, step.scale)
+    if prepared is None:
+        return
+    cache = _recurring_calls()
+    cache[key] = _Recurring(Call(call.signature, call.payload[:2], op=call.op, key=key), prepared)
+    if len(cache) > _RECURRING_SIZE:
+        cache.popitem(last=False)
+
+
 @entry_point
 def tree_decode(
     q: Array,
@@ -610,7 +701,31 @@ def tree_decode(
     options = dict(strategy=strategy, scale=scale, deterministic=deterministic)
     options.update(validate=validate, node_size=node_size, block_size=block_size, invariant=True)
 
+    key = None
+    if (
+        kv_len is None
+        and q_pos is None
+        and k_pos is None
+        and mask is None
+        and kv_start is None
+        and kv_blocks is None
+        and validate is False
+        and block_size is None
+    ):
+        key = _options_key(strategy, scale, deterministic, node_size)
+
     def prepare():
+        cache = None
+        if key is not None:
+            layout = _layout(q, k, v, None)
+            if layout is not None:
+                cache, full = _recurring_calls(), (layout, key)
+                found = cache.get(full)
+                if found is not None:
+                    hit = found.call_for(q, k, v)
+                    if hit is not None:
+                        cache.move_to_end(full)
+                        return hit
         problem, opts, step, sig = prepare_attention(q, k, v, kv_len, q_pos, k_pos, mask, options)
         op = op_needed(opts.strategy, opts.deterministic, problem.acc, problem.head_dim)
         blocks = None
@@ -619,7 +734,10 @@ def tree_decode(
             blocks = check_placement(int(step.k.shape[2]), opts.block_size, kv_start, kv_blocks)
         else:
             _placement_unused(kv_start, kv_blocks)
-        return Call(sig, (problem, opts, step, blocks), op=op)
+        call = Call(sig, (problem, opts, step, blocks), op=op)
+        if cache is not None:
+            _remember(full, call, step)
+        return call
 
     call = agree(comm, prepare)
     problem, opts, step, blocks = call.payload
@@ -670,7 +788,14 @@ def allreduce_state(
     """
     comm = check_comm(comm)
 
+    key = _options_key(strategy, None, deterministic, node_size)
+
     def prepare():
+        if type(state) is State and key is not None:
+            full = (state.records.shape, state.records.dtype, key)
+            found = _state_calls.get(full)
+            if found is not None:
+                return Call(found.signature, found.payload, op=found.op, key=full)
         if not isinstance(state, State):
             raise TypeError(f"state must be an mpitree.State, got {type(state).__name__}")
         opts = Options.resolve(state.head_dim, strategy, None, deterministic, node_size)
@@ -679,16 +804,29 @@ def allreduce_state(
         acc = dtype_name(state.records.dtype)
         sig = {"rows": tuple(state.shape), "head_dim": state.head_dim, "dtype": acc}
         sig.update(opts.signature())
-        return Call(sig, opts, op=op_needed(opts.strategy, opts.deterministic, acc, state.head_dim))
+        op = op_needed(opts.strategy, opts.deterministic, acc, state.head_dim)
+        if type(state) is not State or key is None:
+            return Call(sig, opts, op=op)
+        rows = math.prod(state.shape)
+        call = Call(sig, (opts, rows, state.head_dim, acc), op=op, key=full)
+        if len(_state_calls) < _RECURRING_SIZE:
+            _state_calls[full] = call
+        return call
 
     call = agree(comm, prepare)
-    opts = call.payload
+    if call.key is None:
+        opts = call.payload
+        rows, head_dim, acc = math.prod(state.shape), state.head_dim, call.signature["dtype"]
+    else:
+        opts, rows, head_dim, acc = call.payload
     chosen = resolve(opts.strategy, comm, call.native, opts.node_size, opts.deterministic)
-    rows = math.prod(state.shape)
-    acc = call.signature["dtype"]
-    merger = merger_for(comm, rows, state.head_dim, acc, chosen, opts.node_size)
+    merger = merger_for(comm, rows, head_dim, acc, chosen, opts.node_size)
+    records = state.records
 
-    def fill(records):
-        records[...] = state.records.reshape(rows, -1)
+    def fill(out):
+        out[...] = records.reshape(rows, -1)
 
-    return State(merger.merge(fill).reshape(state.records.shape).copy())
+    return State(merger.merge(fill).reshape(records.shape).copy())
+
+
+_state_calls: dict = {}  # (records shape, dtype, options key) -> allreduce_state's Call

@@ -74,6 +74,17 @@ def _output_bshd(records):
     return out
 
 
+def _output_bhsd(records):
+    """Return :func:`output_of` of float32 C-order host records in one compiled pass."""
+    lib = native_lib()
+    if lib is None or records.dtype != np.float32 or not records.flags.c_contiguous:
+        return output_of(records)
+    *rows, w = records.shape
+    out = np.empty((*rows, w - 2), np.float32)
+    lib.mpitree_finish_f32(records.ctypes.data, 1, out.size // (w - 2), 1, w - 2, out.ctypes.data)
+    return out
+
+
 def lse_of(records, base="e", dtype=np.float32):
     """Return ``m + log(d)`` of host records, ``(...)``; -inf for empty rows."""
     d = records[..., 1]
@@ -110,6 +121,8 @@ def finish(records, like, return_lse=False, layout="bhsd", inputs=()):
         out = _output_bshd(records)
         if ns.name == "numpy" and host_dtype is not None:
             out = out.astype(host_dtype, copy=False)
+    elif layout == "bhsd" and host_dtype == np.float32 and ns.name == "numpy":
+        out = _output_bhsd(records)
     elif layout == "bhsd":
         out = output_of(records, host_dtype if ns.name == "numpy" else None)
     else:

@@ -1,0 +1,151 @@
+"""One-shot calls that recur with one layout reuse their checks: still exact, still guarded."""
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+from helpers import world
+from numpy.testing import assert_allclose
+
+import mpitree
+from mpitree import reference_attention
+from mpitree._state import merge_records
+
+NPROCS = [1, 2, 3, 4]
+STRATEGIES = ["auto", "allreduce", "allreduce3", "allgather"]
+
+
+def growing_cache(comm, steps, b=2, hq=4, hkv=2, d=16, seed=3):
+    """Yield (q, k, v, reference) per step: every rank's shard grows in a preallocated cache.
+
+    Shards are uneven and rank 0's starts empty, so the first steps have an empty shard;
+    every step's k, v are views of the same buffers: the same layout, a longer ``T``.
+    """
+    rng = np.random.default_rng(seed)
+    p = comm.Get_size()
+    sizes = [[max(0, s * (r + 1) - (r == 0) * 2) for r in range(p)] for s in range(steps)]
+    cap = max(max(row) for row in sizes)
+    keys = rng.standard_normal((p, b, hkv, cap, d)).astype(np.float32)
+    values = rng.standard_normal((p, b, hkv, cap, d)).astype(np.float32)
+    for row in sizes:
+        q = rng.standard_normal((b, hq, 1, d)).astype(np.float32)
+        k = np.concatenate([keys[r][:, :, : row[r]] for r in range(p)], axis=2)
+        v = np.concatenate([values[r][:, :, : row[r]] for r in range(p)], axis=2)
+        t = row[comm.rank]
+        yield q, keys[comm.rank][:, :, :t], values[comm.rank][:, :, :t], (q, k, v)
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_recurring_tree_decode_exact(strategy, deterministic):
+    comm = world()
+    for q, k, v, full in growing_cache(comm, 6):
+        out, lse = mpitree.tree_decode(
+            q, k, v, comm, strategy=strategy, deterministic=deterministic, return_lse=True
+        )
+        ref_out, ref_lse = reference_attention(*full)
+        assert_allclose(out, ref_out, atol=2e-5, rtol=0)
+        assert_allclose(lse, ref_lse, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+def test_recurring_tree_decode_same_bits_as_first_call():
+    """A call that reuses a remembered layout gives the bits of one that checks afresh."""
+    comm = world()
+    steps = list(growing_cache(comm, 4))
+    q, k, v, _ = steps[-1]
+    first = mpitree.tree_decode(q, k, v, comm, strategy="allgather")
+    for _ in range(3):
+        again = mpitree.tree_decode(q, k, v, comm, strategy="allgather")
+        np.testing.assert_array_equal(again, first)
+
+
+@pytest.mark.parallel(nprocs=[2, 3, 4])
+def test_bad_shard_after_layout_recurred_raises_everywhere():
+    """T's own checks still run when the rest of the layout is remembered."""
+    comm = world()
+    *_, (q, k, v, _) = growing_cache(comm, 4)
+    for _ in range(3):
+        mpitree.tree_decode(q, k, v, comm)
+    bad = comm.Get_size() - 1
+    short = v[:, :, : max(0, v.shape[2] - 1)] if comm.rank == bad else v
+    with pytest.raises(ValueError) as info:
+        mpitree.tree_decode(q, k, short, comm)
+    if comm.rank != bad:
+        assert f"invalid input on rank {bad}" in str(info.value)
+    scale = 0.5 if comm.rank == 0 else 0.25
+    with pytest.raises(ValueError, match="disagree on scale"):
+        mpitree.tree_decode(q, k, v, comm, scale=scale)
+    out = mpitree.tree_decode(q, k, v, comm)  # and the next good call is exact
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_recurring_tree_decode_keeps_no_reference_to_its_arrays():
+    comm = world()
+    rng = np.random.default_rng(comm.rank)
+    q = np.random.default_rng(0).standard_normal((1, 4, 1, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 5, 8)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 5, 8)).astype(np.float32)
+    for _ in range(3):
+        mpitree.tree_decode(q, k, v, comm)
+    refs = [weakref.ref(x) for x in (q, k, v)]
+    del q, k, v
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_nan_after_layout_recurred_stays_nan():
+    """A NaN value on one rank poisons its rows everywhere, on a remembered layout too."""
+    comm = world()
+    *_, (q, k, v, _) = growing_cache(comm, 4)
+    for _ in range(3):
+        mpitree.tree_decode(q, k, v, comm)
+    if comm.rank == 1:
+        v[0, 0, 0, 0] = np.nan  # in the cache: the same view, the remembered layout
+    out = mpitree.tree_decode(q, k, v, comm)
+    assert np.isnan(out[0, :2, :, 0]).all()  # query heads 0, 1 share kv head 0
+    assert np.isfinite(out[0, :, :, 1:]).all() and np.isfinite(out[0, 2:]).all()
+    assert np.isfinite(out[1]).all()
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_recurring_allreduce_state_exact(strategy):
+    comm = world()
+    for step in range(4):
+        rng = np.random.default_rng([step, comm.rank])
+        mine = rng.standard_normal((2, 3, 10)).astype(np.float32)
+        mine[..., 1] = np.abs(mine[..., 1])
+        if step == 1:
+            mine[0, 0] = [-np.inf, 0, *np.zeros(8)]  # an empty row on every rank
+        merged = mpitree.allreduce_state(mpitree.State(mine), comm, strategy=strategy)
+        every = np.stack(comm.allgather(mine)).astype(np.float64)
+        assert_allclose(merged.records, merge_records(every), rtol=2e-6, atol=2e-6)
+        assert merged.records.dtype == np.float32
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_allreduce_state_bad_input_after_recurring():
+    comm = world()
+    state = mpitree.State.empty((3,), 8)
+    for _ in range(3):
+        mpitree.allreduce_state(state, comm)
+    bad = comm.Get_size() - 1
+    with pytest.raises((TypeError, ValueError)) as info:
+        mpitree.allreduce_state(state.records if comm.rank == bad else state, comm)
+    if comm.rank == bad:
+        assert isinstance(info.value, TypeError)
+    else:
+        assert f"invalid input on rank {bad}" in str(info.value)
+    rows = (4,) if comm.rank == 0 else (3,)
+    with pytest.raises(ValueError, match="disagree on rows"):
+        mpitree.allreduce_state(mpitree.State.empty(rows, 8), comm)
+    det = comm.rank == 0
+    with pytest.raises(ValueError, match="disagree on deterministic"):
+        mpitree.allreduce_state(state, comm, deterministic=det)
+    merged = mpitree.allreduce_state(state, comm)
+    assert np.isneginf(merged.m).all()
