@@ -43,11 +43,13 @@ TBF_LATENCY = "100ms"  # how long a packet may wait in the token bucket before i
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?bit)?\s*$", re.IGNORECASE)
 _DELAY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s)\s*$", re.IGNORECASE)
+SSH_NAME = "mpitree-ssh"  # the $0 of the launcher's shell inside a node
 _GRACE = 5.0  # seconds between SIGTERM and SIGKILL when stopping processes
 
 LAUNCHER = """#!/bin/sh
 # ssh stand-in made by mpitree.cluster: skip ssh's options, enter the node's namespace
-# (and a UTS namespace named after it), run the rest of the command line there.
+# (and a UTS namespace named after it), run the rest of the command line there. The shell
+# stands for ssh, which runs on the head node: its $0 (SSH_NAME) marks it for kill_node.
 while [ $# -gt 0 ]; do
     case "$1" in
         -o|-p|-l|-i|-F|-E|-J) shift 2 ;;
@@ -58,7 +60,7 @@ done
 node=$1
 shift
 cmd="$*"
-exec ip netns exec "$node" {unshare}sh -c '{hostname}eval "$2"' sh "$node" "$cmd"
+exec ip netns exec "$node" {unshare}sh -c '{hostname}eval "$2"' {ssh_name} "$node" "$cmd"
 """
 
 
@@ -278,9 +280,9 @@ class Cluster:
         self._launcher = os.path.join(self._tmp, "node-shell")
         with open(self._launcher, "w") as f:
             f.write(
-                LAUNCHER.replace("{unshare}", "unshare --uts " if uts else "").replace(
-                    "{hostname}", 'hostname "$1"; ' if uts else ""
-                )
+                LAUNCHER.replace("{unshare}", "unshare --uts " if uts else "")
+                .replace("{hostname}", 'hostname "$1"; ' if uts else "")
+                .replace("{ssh_name}", SSH_NAME)
             )
         os.chmod(self._launcher, 0o755)
         _ip("link", "add", self.bridge, "type", "bridge")
@@ -378,6 +380,28 @@ class Cluster:
         out = _ip("-n", self.names[node], "-s", "-j", "link", "show", "dev", dev).stdout
         stats = json.loads(out)[0]["stats64"]
         return stats["tx"]["bytes"], stats["rx"]["bytes"]
+
+    def kill_node(self, node, sig=signal.SIGKILL) -> list[int]:
+        """Send ``sig`` to every process of node ``node`` (an index), as if the node died.
+
+        The shells that stand for ``ssh`` are spared: a real ``ssh`` runs on the
+        head node and outlives the remote node, reporting its end to mpiexec.
+
+        Returns
+        -------
+        list of int
+            The process ids signalled.
+        """
+        hit = []
+        for pid in _pids([self.names[node]]):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if SSH_NAME.encode() not in argv[:4]:
+                    os.kill(pid, sig)
+                    hit.append(pid)
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+        return hit
 
     # -- launching ---------------------------------------------------------------
 

@@ -53,6 +53,16 @@ def test_every_strategy_exact_across_nodes(nodes, rpn, link):
     assert leftovers(tag) == []
 
 
+def test_transformers_path_across_nodes_equals_one_process():
+    prog = str(HERE / "cluster_transformers_prog.py")
+    with Cluster(2, link="1gbit") as cluster:
+        tag = cluster.tag
+        res = cluster.run([PY, prog], 2, env=ENV, capture=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "4 ranks: equal to one process" in res.stdout
+    assert leftovers(tag) == []
+
+
 def test_traffic_crosses_the_shaped_link():
     # 2 MB per rank at 100 Mbit/s: at least 0.17 s on the wire, and at least 2 MB through
     # each node's veth; UCX's shared memory between namespaces of one kernel would skip both
@@ -137,14 +147,11 @@ def test_killing_a_node_ends_the_job_with_an_error():
             [PY, "-c", code], 2, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         assert job.stdout.readline().strip() == "decoding"
-        victims = subprocess.run(
-            ["ip", "netns", "pids", cluster.names[1]], capture_output=True, text=True
-        ).stdout.split()
         start = time.monotonic()
-        for pid in victims:
-            os.kill(int(pid), signal.SIGKILL)
+        victims = cluster.kill_node(1)
         _out, err = job.communicate(timeout=60)
         elapsed = time.monotonic() - start
+    assert len(victims) >= 3, victims  # the node's MPI daemon or proxy, and both ranks
     assert job.returncode != 0, err
     assert elapsed < 30, elapsed
     assert leftovers(tag) == []
