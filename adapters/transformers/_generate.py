@@ -1,4 +1,4 @@
-"""Speculative greedy decoding over a :class:`ShardedCache`: draft, verify, commit."""
+"""Speculative decoding over a :class:`ShardedCache`: draft, verify, commit (greedy or sampled)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from mpitree import extend, spec
 
 from ._cache import ShardedCache
 from ._drafters import _positions
+from ._sampling import sampler_for
 from ._spec import verify
 
 
@@ -21,7 +22,7 @@ class Speculation:
     Attributes
     ----------
     sequences : torch.Tensor
-        ``(B, S + max_new_tokens)`` int64: the prompt, then the greedy tokens.
+        ``(B, S + max_new_tokens)`` int64: the prompt, then the greedy (or sampled) tokens.
     accepted : torch.Tensor
         ``(steps, B)`` int64: drafted tokens of each row's best candidate that the
         target accepted, per step.
@@ -53,8 +54,8 @@ def _positive(name, value):
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def _check_start(model, input_ids, cache, drafter, max_new_tokens, attention_mask):
-    """Validate :func:`generate`'s arguments; return the signature every rank must share."""
+def _check_start(model, input_ids, cache, drafter, max_new_tokens, attention_mask, sampling):
+    """Validate :func:`generate`'s arguments; return the agreed signature and the sampler."""
     if not isinstance(cache, ShardedCache):
         raise TypeError(f"cache must be a ShardedCache, got {type(cache).__name__}")
     if getattr(model.config, "_attn_implementation", None) != "mpitree":
@@ -89,11 +90,21 @@ def _check_start(model, input_ids, cache, drafter, max_new_tokens, attention_mas
             f"({input_ids.shape[1]} tokens), e.g. prefill(model, input_ids[:, :-1], cache)"
         )
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    return {
+    sampler, agreed = sampler_for(model, *sampling)
+    signature = {
         "input": (*input_ids.shape, cached),
         "max_new_tokens": max_new_tokens,
         "prompt": _digest(input_ids, mask.long()),
+        **agreed,
     }
+    return extend.Call(signature, sampler)
+
+
+def _choose(logits, sampler, step):
+    """Return the next token ``(B, 1)`` of ``(B, V)`` logits: the argmax, or ``step``'s draw."""
+    if sampler is None:
+        return logits.argmax(-1, keepdim=True)
+    return sampler.draw_rows(logits, step)
 
 
 def _draft(drafter, tokens, mask, depth, vocab):
@@ -210,7 +221,7 @@ class _Stops:
         return tokens
 
 
-def _plain_step(model, cache, tokens, mask):
+def _plain_step(model, cache, tokens, mask, sampler, step):
     """One token per row from the pending one: ``(new (B, 1), 1, 1, accepted zeros (B,))``."""
     with torch.no_grad():
         logits = model(
@@ -220,12 +231,15 @@ def _plain_step(model, cache, tokens, mask):
             past_key_values=cache,
             use_cache=True,
         ).logits
-    nxt = logits[:, -1].argmax(-1, keepdim=True)
+    nxt = _choose(logits[:, -1], sampler, step)
     return nxt, 1, 1, torch.zeros(tokens.shape[0], dtype=torch.long)
 
 
-def _speculative_step(model, cache, tokens, mask, beam, batch):
+def _speculative_step(model, cache, tokens, mask, beam, batch, sampler, step):
     """Verify the draft tree after the pending token; commit the accepted path.
+
+    Greedy: the longest candidate prefix equal to the target's argmax. Sampling:
+    :meth:`Sampler.accept`'s walk, a draw at each node with ``step``'s uniforms.
 
     Returns the new tokens ``(B, m)``, ``m``, the tree's node count and each row's
     accepted draft tokens ``(B,)``.
@@ -235,7 +249,10 @@ def _speculative_step(model, cache, tokens, mask, beam, batch):
     packed = spec.pack(tree, padding_mask=mask[:, :-1].bool())
     with cache._capturing() as states:
         logits = verify(model, cache, packed, attention_mask=mask[:, :-1])
-    index, accepted, _ = spec.greedy_accept(tree, packed, logits)
+    if sampler is None:
+        index, accepted, _ = spec.greedy_accept(tree, packed, logits)
+    else:
+        index, accepted, drawn = sampler.accept(tree, packed, logits, step)
     m = int(accepted.min())  # lockstep: every row commits the shortest acceptance
     path = packed.unpack_map[batch, index, :m]  # (B, m) tree nodes, root first
     rows = batch[:, None]
@@ -244,8 +261,11 @@ def _speculative_step(model, cache, tokens, mask, beam, batch):
         [v[rows, :, path].transpose(1, 2).contiguous() for _, v in states],
         packed.position_ids[rows, path],
     )
-    nxt = logits.argmax(-1)[batch, path[:, -1]]
-    new = torch.cat([tree[batch, index, 1:m], nxt[:, None]], 1)
+    if sampler is None:
+        nxt = logits.argmax(-1)[batch, path[:, -1]]
+        new = torch.cat([tree[batch, index, 1:m], nxt[:, None]], 1)
+    else:  # the draws along the path: the tree's tokens below m - 1, then the last draw
+        new = drawn[:, :m]
     return new, m, packed.tokens.shape[1], accepted - 1
 
 
@@ -264,8 +284,13 @@ def generate(
     tokenizer=None,
     streamer=None,
     node_cost=0.15,
+    do_sample=False,
+    temperature=None,
+    top_k=None,
+    top_p=None,
+    seed=None,
 ):
-    """Greedy speculative decoding over a :class:`ShardedCache`; exact, token for token.
+    """Speculative decoding over a :class:`ShardedCache`: greedy, or sampled exactly.
 
     Each step, the drafter proposes a tree of candidates after the pending token;
     :func:`mpitree.spec.pack` deduplicates it, one forward pass scores every node
@@ -273,7 +298,10 @@ def generate(
     candidate prefix equal to the target's argmax is accepted, plus the target's
     next token. The accepted tokens' K/V, computed in that pass, are appended on
     the ranks that own their global indices under the cache's placement, at their
-    true positions; rejected nodes leave no trace. Greedy only (no sampling).
+    true positions; rejected nodes leave no trace. With ``do_sample=True`` a token
+    is drawn at each node of the path instead (one agreed random stream), and the
+    path goes on while the draw is one of the node's children: the sequences are
+    distributed exactly as sampling from the filtered target.
 
     Parameters
     ----------
@@ -314,20 +342,40 @@ def generate(
         13-row forward cost 2.8x a 1-row one). A step drafts only while the running
         mean of accepted draft tokens exceeds ``node_cost * (nodes - 1)``, and
         probes again after 1, 2, 4, ... plain steps. ``None``: draft every step.
+    do_sample : bool, optional
+        Sample instead of greedy (default False: greedy).
+    temperature : float, optional
+        ``>= 0``; logits are divided by it before the filters. 0 is greedy. Default:
+        the model's ``generation_config``, else 1.0 (as ``model.generate``).
+    top_k : int, optional
+        ``>= 0``: keep the ``top_k`` likeliest tokens (0: no filter). Default: the
+        ``generation_config``'s, else 50 (as ``model.generate``).
+    top_p : float, optional
+        In ``(0, 1]``: then drop the least likely tokens whose total mass is at most
+        ``1 - top_p`` (1: no filter). Default: the ``generation_config``'s, else 1.0.
+    seed : int or torch.Generator, optional
+        The random stream's 64-bit key, in ``[0, 2**64)``; a CPU ``torch.Generator``
+        (or ``None``: torch's default one) gives it by one draw. The ranks agree on
+        the key: ranks with different keys raise. Every random number is a function
+        of the key, the step, the row and the depth only, so every rank draws the
+        same tokens. Unused (and nothing drawn) when greedy.
 
     Returns
     -------
     Speculation
         ``sequences`` ``(B, S + n)`` int64, ``n <= max_new_tokens``, equal to greedy
         ``model.generate``'s (rows ended early padded, the batch cut after its last
-        row's end), and per-step statistics.
+        row's end), or sampled, and per-step statistics.
 
     Raises
     ------
     ValueError, TypeError
         On every rank, when any rank's arguments are bad, its drafter fails or
         returns an empty draft, out-of-vocabulary ids or a tree deeper than the
-        tokens left to generate, or when the ranks' prompts or drafts differ.
+        tokens left to generate, or when the ranks' prompts, drafts, sampling
+        settings or sampling keys differ; on bad sampling arguments (a negative or
+        non-finite temperature, ``top_p`` outside ``(0, 1]``, a negative or
+        non-integer ``top_k``, a seed outside ``[0, 2**64)``).
 
     Notes
     -----
@@ -339,10 +387,18 @@ def generate(
     positions, and the tokens are plain greedy's; a batch advances at its slowest
     row's pace. A step costs three small agreements (draft, verification, the
     forward's) and one merge per layer.
+
+    Sampling keeps the target's distribution exactly over draft trees: SpecInfer's
+    multi-candidate rule with point-mass drafts (a drafter returns token ids) is one
+    draw per node, descending when it is a child; lockstep stays exact because
+    whether the token at depth ``d`` is committed depends only on the uniforms of
+    lower depths, and dropped draws are never reused (the proof is in
+    ``_sampling.py``'s docstring).
     """
     comm = extend.check_comm(getattr(cache, "comm", None))
-    start = (model, input_ids, cache, drafter, max_new_tokens, attention_mask)
-    extend.agree(comm, lambda: extend.Call(_check_start(*start)))
+    sampling = (do_sample, temperature, top_k, top_p, seed)
+    start = (model, input_ids, cache, drafter, max_new_tokens, attention_mask, sampling)
+    sampler = extend.agree(comm, lambda: _check_start(*start)).payload
     tokens = input_ids.long()
     b, s = tokens.shape
     mask = torch.ones_like(tokens) if attention_mask is None else attention_mask.long()
@@ -355,7 +411,7 @@ def generate(
             past_key_values=cache,
             use_cache=True,
         ).logits
-    tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    tokens = torch.cat([tokens, _choose(logits[:, -1], sampler, 0)], 1)
     mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
     stops = _Stops(model, s, b, eos_token_id, pad_token_id, stop_strings, tokenizer)
     stops.see(tokens, 1)
@@ -367,6 +423,7 @@ def generate(
     steps = []
     budget = _Budget(node_cost)
     while tokens.shape[1] < s + max_new_tokens and not stops.all_done:
+        step = len(steps) + 1  # the prompt's step is step 0
         depth = s + max_new_tokens - tokens.shape[1] - 1 if budget.drafts() else 0
         beam = tokens.new_empty(b, 1, 0)
         if depth:
@@ -379,10 +436,12 @@ def generate(
 
             beam = extend.agree(comm, prepare).payload
         if beam.shape[2]:
-            new, m, nodes, accepted = _speculative_step(model, cache, tokens, mask, beam, batch)
+            new, m, nodes, accepted = _speculative_step(
+                model, cache, tokens, mask, beam, batch, sampler, step
+            )
             budget.saw(m - 1, nodes)
         else:  # nothing drafted: the plain decode step model.generate takes
-            new, m, nodes, accepted = _plain_step(model, cache, tokens, mask)
+            new, m, nodes, accepted = _plain_step(model, cache, tokens, mask, sampler, step)
         tokens = torch.cat([tokens, new], 1)
         mask = torch.cat([mask, torch.ones_like(new)], 1)
         steps.append((accepted, m, nodes))

@@ -1,0 +1,194 @@
+"""Sampling for :func:`generate`: the filtered target distribution, one agreed random stream.
+
+Every random number is a function of the agreed key and ``(step, row, depth)``
+only: ``u(step, row, depth)`` is the ``row``-th double of a Philox counter-based
+stream keyed by the key, its counter starting at ``(step, depth)``. Every rank
+draws the same numbers, whatever it drew before.
+
+Why sample-and-match is exact on a draft tree
+---------------------------------------------
+At a tree node with children ``c_1..c_k``, SpecInfer's multi-candidate rule
+accepts ``c_i`` with probability ``min(1, p(c_i) / q_i(c_i))`` and on rejection
+sets ``p <- normalize(max(p - q_i, 0))``; if no child is accepted the next token is
+drawn from the residual ``p``. :func:`mpitree.spec.pack` merges shared prefixes,
+so a node's children are distinct tokens. A drafter here returns token ids only
+(no ``q``): as a function of the tokens so far, its candidates are point masses,
+``q_i = delta(c_i)``. Then the rule accepts ``c_1`` with probability ``p(c_1)``,
+``c_2`` with ``(1 - p(c_1)) * p(c_2) / (1 - p(c_1)) = p(c_2)``, ..., and draws
+``x`` outside the children with ``p(x)``: exactly one draw ``x ~ p``, descending
+when ``x`` is a child. That is what :meth:`Sampler.accept` does, with one uniform
+per depth. Its output is ``p`` at every node whatever the candidates are, so it is
+exact for any drafter whose proposals do not read this stream (a drafter with its
+own randomness included); a drafter that could report a non-degenerate ``q``
+would only gain acceptance from the general rule, never exactness.
+
+Lockstep commit stays exact: a row's token at depth ``d`` of step ``s`` is
+``F(p(. | the tokens before it), u(s, row, d))`` (inverse CDF), and whether it is
+committed (every row accepted at least ``d`` draft tokens) depends only on the
+uniforms of depths below ``d``. So each committed token is drawn from the
+target's conditional with a uniform that nothing before it has looked at; tokens
+sampled beyond the committed length are dropped, and the next step uses step
+``s + 1``'s uniforms, never theirs. By induction over the committed tokens every
+row is an autoregressive sample of the filtered target, independent of the others.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+import torch
+
+DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # transformers' global defaults
+SEEDS = 2**64
+
+
+def _real(name, value):
+    """Return ``value`` as a finite float; raise unless it is a real number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def _setting(name, value, model):
+    """Return the argument, else the ``generation_config``'s value, else transformers' default."""
+    if value is None:
+        value = getattr(getattr(model, "generation_config", None), name, None)
+    return DEFAULTS[name] if value is None else value
+
+
+def _key(seed):
+    """Return the stream's 64-bit key: the seed, or one draw from a torch generator."""
+    if seed is None or isinstance(seed, torch.Generator):
+        if seed is not None and seed.device.type != "cpu":
+            raise ValueError(f"seed must be a CPU torch.Generator, got one on {seed.device}")
+        return int(torch.randint(0, 2**63 - 1, (), generator=seed))
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int in [0, 2**64), a torch.Generator or None: {seed!r}")
+    if not 0 <= int(seed) < SEEDS:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    return int(seed)
+
+
+def sampler_for(model, do_sample, temperature, top_k, top_p, seed):
+    """Validate the sampling arguments; return ``(Sampler or None, agreed signature fields)``.
+
+    ``None`` (greedy) when ``do_sample`` is False or the temperature is 0. The
+    key is drawn from ``seed`` only when sampling.
+    """
+    if not isinstance(do_sample, (bool, np.bool_)):
+        raise TypeError(f"do_sample must be a bool, got {do_sample!r}")
+    temperature = _real("temperature", _setting("temperature", temperature, model))
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    top_k = _setting("top_k", top_k, model)
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0: no top-k filter), got {top_k!r}")
+    top_p = _real("top_p", _setting("top_p", top_p, model))
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not do_sample or temperature == 0:
+        if seed is not None and not isinstance(seed, torch.Generator):
+            _key(seed)  # a bad seed is refused even when unused
+        return None, {"sampling": None, "sampling seed": None}
+    key = _key(seed)
+    sampler = Sampler(temperature, int(top_k), top_p, key)
+    return sampler, {"sampling": (temperature, int(top_k), top_p), "sampling seed": key}
+
+
+class Sampler:
+    """Draws from the filtered target distribution with the agreed stream.
+
+    Parameters
+    ----------
+    temperature : float
+        ``> 0``: logits are divided by it first.
+    top_k : int
+        Keep the ``top_k`` likeliest tokens (ties at the boundary kept); 0: all.
+    top_p : float
+        Then drop the least likely tokens whose total mass is at most ``1 - top_p``
+        (transformers' rule; the likeliest token is always kept); 1: none dropped.
+    key : int
+        The agreed 64-bit key of the random stream.
+    """
+
+    def __init__(self, temperature, top_k, top_p, key):
+        self.temperature, self.top_k, self.top_p, self.key = temperature, top_k, top_p, key
+
+    def uniforms(self, step, depth, rows):
+        """Return the agreed uniforms ``u(step, row, depth)`` of rows ``0..rows-1``."""
+        bits = np.random.Philox(key=self.key, counter=[0, 0, depth, step])
+        return np.random.Generator(bits).random(rows)
+
+    def weights(self, logits):
+        """Unnormalised float64 probabilities ``(V,)`` of one ``(V,)`` logits row, filtered."""
+        z = logits.detach().to("cpu", torch.float64).numpy() / self.temperature
+        if np.isnan(z).any() or not np.isfinite(z.max()):
+            raise ValueError("the target's logits are not finite: cannot sample")
+        v = z.size
+        if 0 < self.top_k < v:
+            z = np.where(z < np.partition(z, v - self.top_k)[v - self.top_k], -np.inf, z)
+        w = np.exp(z - z.max())
+        if self.top_p < 1:
+            order = np.argsort(z, kind="stable")
+            drop = np.cumsum(w[order]) / w.sum() <= 1 - self.top_p
+            drop[-1] = False
+            w[order[drop]] = 0
+        return w
+
+    def draw(self, logits, u):
+        """Draw one token of a ``(V,)`` logits row: the filtered inverse CDF at ``u``."""
+        cdf = np.cumsum(self.weights(logits))
+        return min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), cdf.size - 1)
+
+    def draw_rows(self, logits, step):
+        """Return ``(B, 1)`` int64 tokens of ``(B, V)`` logits, drawn at depth 0 of ``step``."""
+        u = self.uniforms(step, 0, logits.shape[0])
+        out = [self.draw(logits[b], u[b]) for b in range(logits.shape[0])]
+        return torch.tensor(out, dtype=torch.long, device=logits.device)[:, None]
+
+    def accept(self, tree, packed, logits, step):
+        """Walk each row's tree: draw at the node, descend while the draw is a child.
+
+        Parameters
+        ----------
+        tree : torch.Tensor
+            ``(B, M, C)`` int64: the pending token, then the candidates.
+        packed : mpitree.spec.Packed
+            ``pack(tree)``.
+        logits : torch.Tensor
+            ``(B, L, V)``: the target's logits at each packed node.
+        step : int
+            The step's index in the stream.
+
+        Returns
+        -------
+        index : torch.Tensor
+            ``(B,)`` int64: a candidate holding the walked path.
+        accepted : torch.Tensor
+            ``(B,)`` int64: nodes on the path (the pending token included).
+        drawn : torch.Tensor
+            ``(B, C)`` int64: the token drawn at each depth of the path (valid
+            below ``accepted``); ``drawn[:, d]`` is the tree's token at depth
+            ``d + 1`` where the path goes on.
+        """
+        b, m, depth = tree.shape
+        index = torch.zeros(b, dtype=torch.long)
+        accepted = torch.zeros(b, dtype=torch.long)
+        drawn = torch.zeros(b, depth, dtype=torch.long)
+        u = [self.uniforms(step, d, b) for d in range(depth)]
+        for row in range(b):
+            alive = torch.arange(m)
+            for d in range(depth):
+                x = self.draw(logits[row, packed.unpack_map[row, alive[0], d]], u[d][row])
+                drawn[row, d], index[row], accepted[row] = x, alive[0], d + 1
+                if d + 1 == depth:
+                    break
+                alive = alive[tree[row, alive, d + 1] == x]
+                if not len(alive):
+                    break
+        return index, accepted, drawn
