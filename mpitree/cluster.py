@@ -45,6 +45,7 @@ _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?bit)?\s*$", re.IGNORECASE)
 _DELAY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s)\s*$", re.IGNORECASE)
 SSH_NAME = "mpitree-ssh"  # the $0 of the launcher's shell inside a node
 _GRACE = 5.0  # seconds between SIGTERM and SIGKILL when stopping processes
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # end the run, tear down
 
 LAUNCHER = """#!/bin/sh
 # ssh stand-in made by mpitree.cluster: skip ssh's options, enter the node's namespace
@@ -276,6 +277,8 @@ class Cluster:
         """Create the bridge, the head and the nodes, with addresses and shaping."""
         self._made = True
         self._tmp = tempfile.mkdtemp(prefix=f"mpitree-cluster-{self.tag}-")
+        with open(os.path.join(self._tmp, "owner"), "w") as f:
+            f.write(_identity(os.getpid()))
         uts = shutil.which("unshare") is not None  # then each node has its own host name
         self._launcher = os.path.join(self._tmp, "node-shell")
         with open(self._launcher, "w") as f:
@@ -330,34 +333,36 @@ class Cluster:
             raise ClusterError(f"tc {' '.join(args)} failed: {message}")
 
     def close(self):
-        """Stop every process in the cluster's namespaces and remove everything made."""
+        """Stop every process in the cluster's namespaces and remove everything made.
+
+        SIGINT, SIGTERM and SIGHUP are ignored while it runs, so that a second
+        Ctrl-C cannot cut the teardown short.
+        """
         if self._closed:
             return
         self._closed = True
-        self._restore_handlers()
-        atexit.unregister(self.close)
-        if self._made:
-            spaces = [self.head, *self.names]
-            _kill_namespaces(spaces)
-            for ns in spaces:
-                _ip("netns", "del", ns, check=False)
-            for index in ["h", *map(str, range(len(self.names)))]:
-                if _ip("link", "show", f"mtv{index}-{self.tag}", check=False).returncode == 0:
-                    _ip("link", "del", f"mtv{index}-{self.tag}", check=False)
-            _ip("link", "del", self.bridge, check=False)
-        if self._tmp:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            for signum in STOP_SIGNALS:
+                self._handlers.setdefault(signum, signal.signal(signum, signal.SIG_IGN))
+        try:
+            atexit.unregister(self.close)
+            if self._made:
+                _remove(self.tag, [self.head, *self.names], self._tmp)
+        finally:
+            self._restore_handlers()
 
     def _install_handlers(self):
-        """Make SIGTERM raise SystemExit and SIGINT raise KeyboardInterrupt (main thread)."""
+        """Make SIGTERM and SIGHUP raise SystemExit, SIGINT KeyboardInterrupt (main thread)."""
         if threading.current_thread() is not threading.main_thread():
             return
 
         def stop(signum, frame):
             raise SystemExit(128 + signum)
 
-        self._handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, stop)
-        self._handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+        for signum in STOP_SIGNALS:
+            handler = signal.default_int_handler if signum == signal.SIGINT else stop
+            self._handlers[signum] = signal.signal(signum, handler)
 
     def _restore_handlers(self):
         """Put back the signal handlers found on entry."""
@@ -496,6 +501,58 @@ class Cluster:
             _kill_namespaces([self.head, *self.names])
             raise
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _identity(pid) -> str:
+    """Return ``"PID STARTTIME"`` of a live process, or "" (its start time tells reuse apart)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return ""
+    return f"{pid} {stat.rsplit(')', 1)[1].split()[19]}"
+
+
+def _remove(tag, spaces, tmp):
+    """Stop the processes in ``spaces``, delete them, run ``tag``'s links and bridge, ``tmp``."""
+    _kill_namespaces(spaces)
+    for ns in spaces:
+        _ip("netns", "del", ns, check=False)
+    links = _ip("-o", "link", "show", check=False).stdout.splitlines()
+    for name in {line.split(":")[1].strip().split("@")[0] for line in links if ":" in line}:
+        if name.endswith(f"-{tag}") and name.startswith(("mtv", "mtbr")):
+            _ip("link", "del", name, check=False)
+    if tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_stale() -> list[str]:
+    """Remove what clusters whose harness process died (SIGKILL, power) left behind.
+
+    A run counts as stale when its owner record (in the temporary directory) is
+    missing or names a process that no longer exists; live runs are left alone.
+
+    Returns
+    -------
+    list of str
+        The tags (the random part of the names) of the runs removed.
+    """
+    check_host()
+    links = _ip("-o", "link", "show", "type", "bridge", check=False).stdout
+    tags = {n.split("-")[1] for n in our_namespaces()}
+    tags |= {w.split("-", 1)[1].rstrip(":") for w in links.split() if w.startswith("mtbr-")}
+    removed = []
+    for tag in sorted(tags):
+        tmps = list(Path(tempfile.gettempdir()).glob(f"mpitree-cluster-{tag}-*"))
+        owners = [p / "owner" for p in tmps if (p / "owner").exists()]
+        owner = owners[0].read_text().strip() if owners else ""
+        if owner and _identity(owner.split()[0]) == owner:
+            continue
+        spaces = our_namespaces(f"mpitree-{tag}-")
+        _remove(tag, spaces, None)
+        for tmp in tmps:
+            shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tag)
+    return removed
 
 
 def _stop_group(proc):

@@ -130,6 +130,30 @@ def test_teardown_after_a_signal_to_the_harness(sig, code):
     assert not any(alive(p) for p in pids)
 
 
+def test_remove_stale_cleans_up_after_a_killed_harness():
+    cmd = [PY, "-m", "mpitree", "cluster", "--nodes", "2", "--", PY, "-c", SLEEPER]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        tag = proc.stderr.readline().split("mpitree-")[1].split("-")[0]
+        pids = [int(proc.stdout.readline().split()[2]) for _ in range(2)]
+        with Cluster(1) as live:  # another run, alive: left alone
+            proc.kill()  # SIGKILL: no teardown; the job runs on in its own session
+            proc.wait(timeout=30)
+            assert leftovers(tag) != [] and all(alive(p) for p in pids)
+            res = subprocess.run(
+                [PY, "-m", "mpitree", "cluster", "--remove-stale"],
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert res.returncode == 0, res.stderr
+            assert tag in res.stderr and live.tag not in res.stderr
+            assert leftovers(live.tag) != []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert leftovers(tag) == [] and leftovers(live.tag) == []
+    assert not any(alive(p) for p in pids)
+
+
 def test_killing_a_node_ends_the_job_with_an_error():
     # every rank of node 1 dies in the middle of a decode loop: mpiexec must exit non-zero
     code = (

@@ -10,7 +10,7 @@ and removes every namespace, link and process it made in every case.
 import subprocess
 import sys
 
-from ..cluster import MAX_NODES, Cluster, ClusterError
+from ..cluster import MAX_NODES, Cluster, ClusterError, remove_stale
 
 PROG = "python -m mpitree cluster"
 
@@ -34,7 +34,12 @@ def add_arguments(parser):
         "--timeout", type=float, help="stop the job and exit 124 after this many seconds"
     )
     parser.add_argument(
-        "program", nargs="+", metavar="COMMAND", help="the program every rank runs (after --)"
+        "--remove-stale",
+        action="store_true",
+        help="remove what clusters whose harness was killed (SIGKILL) left behind, and exit",
+    )
+    parser.add_argument(
+        "program", nargs="*", metavar="COMMAND", help="the program every rank runs (after --)"
     )
 
 
@@ -42,6 +47,13 @@ def run(args):
     """Make the cluster, run the program across it, tear it down; return the exit code."""
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     try:
+        if args.remove_stale:
+            tags = remove_stale()
+            names = " ".join(tags)
+            print(f"removed {len(tags)} stale cluster(s) {names}".rstrip(), file=sys.stderr)
+            return 0
+        if not program:
+            raise ClusterError("no command to run: give it after --")
         with Cluster(args.nodes, link=args.link, latency=args.latency, mpiexec=args.mpiexec) as c:
             print(
                 f"cluster: {len(c.names)} node(s) x {args.ranks_per_node} rank(s), {c.kind} "
