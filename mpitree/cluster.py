@@ -5,13 +5,16 @@ a veth pair on a private bridge; ``mpiexec`` runs in one more namespace, the hea
 and starts its ranks on the nodes through a stand-in for ``ssh`` that enters the
 node's namespace. Ranks on one node share memory; ranks on different nodes talk
 TCP over their links, each direction of each link shaped by a token bucket
-(``tc qdisc ... tbf``) to the requested rate. Every address lives on a subnet that
-exists only inside these namespaces, so no traffic leaves them.
+(``tc qdisc ... tbf``) to the requested rate (UCX and libfabric are kept to TCP
+between nodes: on one kernel they would otherwise reach another namespace's
+ranks through shared memory, see :func:`network_env`). Every address lives on a
+subnet that exists only inside these namespaces, so no traffic leaves them.
 
 Needs root, ``ip`` (iproute2) with ``ip netns``, ``tc`` when a link rate is set,
 and ``mpiexec`` from MPICH (hydra) or Open MPI. Everything the harness made
 (namespaces, links, bridge, processes) is removed on normal exit, on an
-exception, on SIGINT/SIGTERM and at interpreter exit.
+exception, on SIGINT/SIGTERM/SIGHUP and at interpreter exit; what a harness
+killed outright (SIGKILL) left behind, :func:`remove_stale` removes.
 
 Examples
 --------
@@ -114,6 +117,11 @@ def find_mpiexec(mpiexec=None) -> tuple[str, str]:
     mpiexec : str, optional
         A path or command name; default: ``mpiexec`` next to the running interpreter
         (a virtual environment's MPI wheel), else the first on ``PATH``.
+
+    Returns
+    -------
+    (str, str)
+        The absolute path and the kind; :class:`ClusterError` for any other mpiexec.
     """
     if mpiexec is None:
         here = Path(sys.executable).parent / "mpiexec"
@@ -224,6 +232,8 @@ class Cluster:
 
     Attributes
     ----------
+    tag : str
+        This run's random suffix, part of every name it makes.
     names : list of str
         The nodes' namespace (and host) names, unique to this run.
     head : str
@@ -231,10 +241,10 @@ class Cluster:
 
     Notes
     -----
-    Entering the context creates everything and installs SIGTERM and SIGINT
-    handlers (in the main thread) that raise, so that leaving the context tears
-    everything down; an ``atexit`` hook covers an interpreter that exits
-    otherwise. :meth:`close` is idempotent.
+    Entering the context (once per object) creates everything and installs
+    SIGINT, SIGTERM and SIGHUP handlers (in the main thread) that raise, so that
+    leaving the context tears everything down; an ``atexit`` hook covers an
+    interpreter that exits otherwise. :meth:`close` is idempotent.
     """
 
     def __init__(self, nodes=2, link=None, latency=None, mpiexec=None):
@@ -256,6 +266,8 @@ class Cluster:
     # -- making and removing -----------------------------------------------------
 
     def __enter__(self):
+        if self._made:
+            raise ClusterError("a Cluster is made once: create a new one to start again")
         check_host()
         if self.rate is not None or self.latency is not None:
             if shutil.which("tc") is None:

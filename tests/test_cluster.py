@@ -216,6 +216,8 @@ def test_bad_requests_are_refused():
         cluster.run(["true"], 0)
     with pytest.raises(ClusterError, match="not up"):
         cluster.run(["true"])
+    with pytest.raises(ClusterError, match="made once"), cluster:
+        pass
 
 
 def test_cli_runs_the_command_and_returns_its_exit_code():
