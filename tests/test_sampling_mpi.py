@@ -8,6 +8,7 @@ per case; every seed is fixed, so the verdicts are deterministic.
 
 import copy
 import math
+import sys
 
 import mpitree.adapters.transformers as mtt
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 import torch
 import transformers
 from helpers import world
+from launch import run
 from models import prompt, tiny_llama
 from mpitree.adapters.transformers._sampling import Sampler
 from test_speculative_mpi import NoDraft, draft_of, greedy
@@ -326,13 +328,13 @@ def test_sampled_rows_stop_at_eos_and_stop_strings(drafter):
     ids, mask = prompt(13, True)
     s = ids.shape[1]
 
-    def run(**kw):
+    def decode(**kw):
         made = mtt.PromptLookup() if drafter == "lookup" else mtt.DraftModel(draft_of(model))
         out = sample(model, ids, mask, made, 20, node_cost=None, pad_token_id=0, **good(), **kw)
         same_on_every_rank(out.sequences)
         return out.sequences[:, s:]
 
-    free = run(eos_token_id=[])
+    free = decode(eos_token_id=[])
     assert free.shape[1] == 20
     eos = int(free[0, 5])  # row 0 ends at its sixth token at the latest
     stop = f"<{int(free[1, 3])}><{int(free[1, 4])}>"  # row 1 at its fifth
@@ -344,9 +346,19 @@ def test_sampled_rows_stop_at_eos_and_stop_strings(drafter):
         ),
     }
     for kw, rule in ended.values():
-        out = run(**kw)
+        out = decode(**kw)
         ends = [end_of(free[row], rule) for row in range(2)]
         assert out.shape[1] == max(ends)
         for row, end in enumerate(ends):
             assert torch.equal(out[row, :end], free[row, :end])
             assert bool((out[row, end:] == 0).all())
+
+
+def test_generate_command_refuses_check_with_sampling():
+    """``--check`` is greedy only: with ``--temperature`` every rank stops with the reason."""
+    res = run(2, [sys.executable, "-m", "mpitree", "generate", "--check", "--temperature", "0.7"])
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.count("--check compares with one process's greedy decode") == 2, res.stderr
+    res = run(2, [sys.executable, "-m", "mpitree", "generate", "--seed", "3"])
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.count("--seed only apply when sampling") == 2, res.stderr

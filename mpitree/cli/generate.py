@@ -2,10 +2,12 @@
 
 Every rank loads the same checkpoint (a GGUF file is converted once, see
 :mod:`mpitree.adapters.transformers._checkpoint`) and runs the same greedy
-decode; each keeps its share of the cache. Rank 0 streams the text, then prints
-time to first token, decode speed, tokens per step and the cache's bytes per
-rank. ``--check`` decodes again in one process (transformers' sdpa, its own
-cache) and compares the token ids: PASS, or FAIL and exit status 1 on every rank.
+decode, or with ``--temperature > 0`` the same sampled one (``mtt.generate``: one
+random stream keyed by ``--seed``, agreed by the ranks); each keeps its share of
+the cache. Rank 0 streams the text, then prints time to first token, decode
+speed, tokens per step and the cache's bytes per rank. ``--check`` (greedy only)
+decodes again in one process (transformers' sdpa, its own cache) and compares
+the token ids: PASS, or FAIL and exit status 1 on every rank.
 """
 
 import sys
@@ -47,9 +49,27 @@ def add_arguments(parser):
     )
     parser.add_argument("--draft-model", help="the draft model for --speculative draft-model")
     parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample at this temperature (default 0: greedy)",
+    )
+    parser.add_argument(
+        "--top-k", type=int, help="sampling: keep the k likeliest tokens (0: all; default: the "
+        "model's generation config, else 50)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--top-p", type=float, help="sampling: nucleus filter in (0, 1] (default: the model's "
+        "generation config, else 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seed", type=int, help="sampling: the random stream's seed, in [0, 2**64) (default 0)"
+    )
+    parser.add_argument(
         "--check",
         action="store_true",
-        help="also decode in one process (sdpa) and compare the token ids: PASS or FAIL",
+        help="also decode in one process (sdpa) and compare the token ids: PASS or FAIL "
+        "(greedy only)",
     )
 
 
@@ -65,6 +85,12 @@ def _agreed(comm, error):
 
 def _load(args):
     """Import the adapter, load model, tokenizer, draft model and the prompt's token ids."""
+    sampling = _sampling(args)
+    if args.check and sampling:
+        raise ValueError(
+            "--check compares with one process's greedy decode token for token: it cannot "
+            "check a sampled decode (drop --check, or --temperature)"
+        )
     try:
         import torch
 
@@ -76,6 +102,12 @@ def _load(args):
     if (args.speculative == "draft-model") != (args.draft_model is not None):
         raise ValueError("--draft-model PATH goes with --speculative draft-model, and only there")
     model, tokenizer = mtt.load(args.model)
+    if sampling:  # validate; the model's defaults become explicit (the report shows them)
+        from mpitree.adapters.transformers._sampling import sampler_for
+
+        names = ("temperature", "top_k", "top_p", "seed")
+        sampler = sampler_for(model, True, *(sampling[k] for k in names))[0]
+        args.top_k, args.top_p = sampler.top_k, sampler.top_p
     draft = None
     if args.draft_model is not None:
         draft = mtt.load(args.draft_model, attn_implementation="sdpa")[0]
@@ -88,6 +120,30 @@ def _load(args):
         )
         ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
     return mtt, model, tokenizer, draft, ids
+
+
+def _sampling(args):
+    """``mtt.generate``'s sampling arguments ({} when greedy); refuse filters without sampling."""
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if args.temperature == 0:
+        names = ("top_k", "top_p", "seed")
+        given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply when sampling (--temperature > 0)")
+        return {}
+    seed = 0 if args.seed is None else args.seed
+    return dict(
+        do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed
+    )
+
+
+class _NoDraft:
+    """A drafter with nothing to propose: ``mtt.generate`` takes plain (sampled) steps."""
+
+    def propose(self, tokens, attention_mask, depth):
+        """Propose no candidate (``(B, 1, 0)``)."""
+        return tokens.new_empty(tokens.shape[0], 1, 0)
 
 
 class _Clock:
@@ -147,7 +203,8 @@ def _decode(args, mtt, model, tokenizer, draft, ids, comm):
             for hook in hooks:
                 hook.remove()
     steps = None
-    if args.speculative == "none":
+    sampling = _sampling(args)
+    if args.speculative == "none" and not sampling:
         with torch.no_grad():
             sequences = model.generate(
                 ids,
@@ -162,11 +219,13 @@ def _decode(args, mtt, model, tokenizer, draft, ids, comm):
             model,
             ids,
             cache,
-            drafter=drafter,
+            drafter=_NoDraft() if args.speculative == "none" else drafter,
             max_new_tokens=args.max_new_tokens,
             streamer=clock,
+            **sampling,
         )
-        sequences, steps = spec.sequences, spec.committed
+        sequences = spec.sequences
+        steps = None if args.speculative == "none" else spec.committed
     end = time.perf_counter()
     layers = cache.layers
     cache_bytes = sum(x.nbytes for layer in layers for x in (layer.keys, layer.values))
@@ -204,6 +263,12 @@ def _report(args, stats, ids, comm):
         f"\nmpitree generate: {p} rank{'s' if p > 1 else ''}, placement {args.placement}, "
         f"deterministic {args.deterministic or 'off'}, speculative {spec}"
     )
+    sampling = _sampling(args)
+    if sampling:
+        print(f"sampling: temperature {args.temperature}, top-k {args.top_k}, top-p "
+              f"{args.top_p}, seed {sampling['seed']}")  # fmt: skip
+    else:
+        print("greedy")
     print(f"prompt {ids.shape[1]} tokens, generated {stats['new']} tokens")
     print(f"time to first token {stats['ttft']:.2f} s, decode {stats['decode_tps']:.1f} tokens/s")
     if stats["steps"]:
