@@ -486,16 +486,18 @@ class Drafted:
 
 
 def generate_cases():
-    def call(bad, change=None, cache=True, new=4):
+    def call(bad, change=None, cache=True, new=4, sample=None):
         m = model()
         ids, _ = prompt(9, False)
         sharded = mtt.ShardedCache(m.config, block_size=4)
+        sampling = {} if sample is None else dict(do_sample=True, seed=0)
         mtt.generate(
             m,
             ids,
             sharded if cache or not bad else None,
             drafter=Drafted(bad, change),
             max_new_tokens=new if bad else 4,
+            **{**sampling, **(sample if bad and sample else {})},
         )
 
     def raises(beam, depth):
@@ -511,6 +513,12 @@ def generate_cases():
         "drafter raises": lambda bad: call(bad, raises),
         "not a ShardedCache": lambda bad: call(bad, cache=False),
         "max_new_tokens 0": lambda bad: call(bad, new=0),
+        "negative temperature": lambda bad: call(bad, sample=dict(temperature=-1.0)),
+        "top_p 0": lambda bad: call(bad, sample=dict(top_p=0.0)),
+        "top_k negative": lambda bad: call(bad, sample=dict(top_k=-3)),
+        "seed out of range": lambda bad: call(bad, sample=dict(seed=-1)),
+        "seeds differ": lambda bad: call(bad, sample=dict(seed=1)),
+        "greedy on one rank": lambda bad: call(bad, sample=dict(do_sample=False)),
     }
 
 

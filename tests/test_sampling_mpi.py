@@ -19,6 +19,7 @@ from helpers import world
 from launch import run
 from models import prompt, tiny_llama
 from mpitree.adapters.transformers._sampling import Sampler
+from numpy.testing import assert_allclose
 from test_speculative_mpi import NoDraft, draft_of, greedy
 
 import mpitree
@@ -362,3 +363,15 @@ def test_generate_command_refuses_check_with_sampling():
     res = run(2, [sys.executable, "-m", "mpitree", "generate", "--seed", "3"])
     assert res.returncode == 2, res.stdout + res.stderr
     assert res.stderr.count("--seed only apply when sampling") == 2, res.stderr
+
+
+@pytest.mark.parallel(nprocs=[1])
+@pytest.mark.parametrize("vocab", [8, 97, 5000])
+def test_the_filter_is_transformers_own(vocab):
+    """Temperature, then top-k, then top-p: the probabilities of transformers' warpers."""
+    logits = torch.from_numpy(np.random.default_rng(vocab).standard_normal(vocab) * 3)
+    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (0.5, 50, 0.8)]:
+        w = Sampler(temperature, top_k, top_p, 0).weights(logits.float())
+        want = filtered(logits.float()[None], temperature, top_k, top_p)[0].numpy()
+        assert_allclose(w / w.sum(), want, atol=1e-12, rtol=0)
+        assert np.array_equal(w > 0, want > 0)

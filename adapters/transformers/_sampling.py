@@ -133,11 +133,18 @@ class Sampler:
         if 0 < self.top_k < v:
             z = np.where(z < np.partition(z, v - self.top_k)[v - self.top_k], -np.inf, z)
         w = np.exp(z - z.max())
-        if self.top_p < 1:
-            order = np.argsort(z, kind="stable")
-            drop = np.cumsum(w[order]) / w.sum() <= 1 - self.top_p
-            drop[-1] = False
-            w[order[drop]] = 0
+        if self.top_p < 1:  # keep a token while the mass of likelier ones is below top_p
+            mass, n = self.top_p * w.sum(), min(v, 64)
+            while True:  # sort only the likeliest n tokens, n growing until they hold top_p
+                top = np.argpartition(-w, n - 1)[:n] if n < v else np.arange(v)
+                top = top[np.argsort(-w[top], kind="stable")]
+                above = np.cumsum(w[top]) - w[top]
+                if n == v or above[-1] + w[top[-1]] >= mass:
+                    break
+                n = min(v, 4 * n)
+            kept = np.zeros_like(w)
+            kept[top[above < mass]] = w[top[above < mass]]
+            w = kept
         return w
 
     def draw(self, logits, u):
