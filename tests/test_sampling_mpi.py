@@ -20,7 +20,7 @@ from launch import run
 from models import prompt, tiny_llama
 from mpitree.adapters.transformers._sampling import Sampler
 from numpy.testing import assert_allclose
-from test_speculative_mpi import NoDraft, draft_of, greedy
+from test_speculative_mpi import NoDraft, assert_same_cache, draft_of, greedy
 
 import mpitree
 
@@ -81,14 +81,14 @@ def test_greedy_settings_give_greedy_tokens(settings):
 
 
 def one_process_draws(model, ids, mask, new, sampler):
-    """Plain sampling in one process (sdpa, no cache): token t of row b uses u(t, b, 0)."""
+    """Plain sampling in one process (sdpa, no cache): column t of row b uses u(b, t)."""
     model.set_attn_implementation("sdpa")
     seq, full = ids.clone(), mask.clone()
     with torch.no_grad():
-        for t in range(new):
+        for _ in range(new):
             pos = (full.cumsum(-1) - 1).masked_fill(full == 0, 0)
             logits = model(seq, attention_mask=full, position_ids=pos).logits[:, -1]
-            u = sampler.uniforms(t, 0, seq.shape[0])
+            u = sampler.uniforms(seq.shape[1], seq.shape[0])
             nxt = [sampler.draw(logits[b], u[b]) for b in range(seq.shape[0])]
             seq = torch.cat([seq, torch.tensor(nxt)[:, None]], 1)
             full = torch.cat([full, torch.ones_like(full[:, :1])], 1)
@@ -98,7 +98,7 @@ def one_process_draws(model, ids, mask, new, sampler):
 @pytest.mark.parallel(nprocs=[1, 2, 3])
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (20, 0.9)])
 def test_plain_sampling_draws_one_process_tokens(top_k, top_p):
-    """No draft: token t of row b is the inverse CDF at u(seed, t, b, 0), as in one process."""
+    """No draft: column t of row b is the filtered inverse CDF at u(b, t), as in one process."""
     model = tiny_llama()
     ids, mask = prompt(17, True)
     kw = dict(do_sample=True, temperature=0.8, top_k=top_k, top_p=top_p, seed=2026, eos_token_id=[])
@@ -115,6 +115,58 @@ def test_plain_sampling_draws_one_process_tokens(top_k, top_p):
     drawn = sample(model, ids, mask, NoDraft(), 12, **{**kw, "seed": gen})
     keyed = sample(model, ids, mask, NoDraft(), 12, **{**kw, "seed": key})
     assert torch.equal(drawn.sequences, keyed.sequences)
+
+
+def drafter_of(kind, model):
+    """A drafter: prompt lookup, the target's twin (top-2 greedy chains), or always wrong."""
+    return {
+        "lookup": lambda: mtt.PromptLookup(num_tokens=3),
+        "twin": lambda: mtt.DraftModel(draft_of(model), num_tokens=3, top_k=2),
+        "wrong": lambda: Wrong(model),
+    }[kind]()
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parametrize("budget", ["every step", "adaptive"])
+@pytest.mark.parametrize("placement", mtt.PLACEMENTS)
+@pytest.mark.parametrize("kind", ["lookup", "twin", "wrong"])
+def test_speculative_sampling_draws_plain_sampling_tokens(kind, placement, budget):
+    """Any drafter, ragged acceptance, lockstep: plain sampling's tokens and cache, same seed."""
+    model = small_llama()
+    ids = torch.from_numpy(np.random.default_rng(4).integers(1, SMALL_VOCAB, (3, 12)))
+    mask = torch.ones_like(ids)
+    ids[1, :4], mask[1, :4] = 0, 0
+    kw = dict(do_sample=True, temperature=0.9, top_k=6, top_p=0.95, seed=99)
+    model.set_attn_implementation("mpitree")
+    plain = mtt.ShardedCache(model.config, placement=placement, block_size=2)
+    want = mtt.generate(
+        model, ids, plain, drafter=NoDraft(), max_new_tokens=20, attention_mask=mask, **kw
+    )
+    assert torch.equal(
+        want.sequences, one_process_draws(model, ids, mask, 20, Sampler(0.9, 6, 0.95, 99))
+    )
+    cache = mtt.ShardedCache(model.config, placement=placement, block_size=2)
+    cost = {"node_cost": None} if budget == "every step" else {}
+    model.set_attn_implementation("mpitree")
+    out = mtt.generate(
+        model,
+        ids,
+        cache,
+        drafter=drafter_of(kind, model),
+        max_new_tokens=20,
+        attention_mask=mask,
+        **kw,
+        **cost,
+    )
+    same_on_every_rank(out.sequences)
+    assert torch.equal(out.sequences, want.sequences)
+    assert_same_cache(cache, plain)
+    assert bool((out.committed == out.accepted.min(-1).values + 1).all())
+    if kind == "wrong":
+        assert int(out.accepted.max()) == 0
+    elif kind == "twin" and budget == "every step":  # ragged rows, several tokens a step
+        assert int(out.committed.max()) >= 2
+        assert bool((out.accepted.max(-1).values > out.accepted.min(-1).values).any())
 
 
 # --------------------------------------------------------------------------------------
@@ -213,11 +265,7 @@ def test_speculative_sampling_has_the_target_distribution(case):
     kind, settings, rows = CASES[case]
     model = small_llama()
     ids = PROMPT.expand(rows, -1).contiguous()
-    drafter = {
-        "lookup": lambda: mtt.PromptLookup(num_tokens=3),
-        "twin": lambda: mtt.DraftModel(draft_of(model), num_tokens=3, top_k=2),
-        "wrong": lambda: Wrong(model),
-    }[kind]()
+    drafter = drafter_of(kind, model)
     counts = np.zeros((SMALL_VOCAB,) * NEW, dtype=np.int64)
     committed = []
     for call in range(SAMPLES // rows):

@@ -100,11 +100,11 @@ def _check_start(model, input_ids, cache, drafter, max_new_tokens, attention_mas
     return extend.Call(signature, sampler)
 
 
-def _choose(logits, sampler, step):
-    """Return the next token ``(B, 1)`` of ``(B, V)`` logits: the argmax, or ``step``'s draw."""
+def _choose(logits, sampler, column):
+    """Return the next token ``(B, 1)`` of ``(B, V)`` logits: the argmax, or the column's draw."""
     if sampler is None:
         return logits.argmax(-1, keepdim=True)
-    return sampler.draw_rows(logits, step)
+    return sampler.draw_rows(logits, column)
 
 
 def _draft(drafter, tokens, mask, depth, vocab):
@@ -221,7 +221,7 @@ class _Stops:
         return tokens
 
 
-def _plain_step(model, cache, tokens, mask, sampler, step):
+def _plain_step(model, cache, tokens, mask, sampler):
     """One token per row from the pending one: ``(new (B, 1), 1, 1, accepted zeros (B,))``."""
     with torch.no_grad():
         logits = model(
@@ -231,15 +231,15 @@ def _plain_step(model, cache, tokens, mask, sampler, step):
             past_key_values=cache,
             use_cache=True,
         ).logits
-    nxt = _choose(logits[:, -1], sampler, step)
+    nxt = _choose(logits[:, -1], sampler, tokens.shape[1])
     return nxt, 1, 1, torch.zeros(tokens.shape[0], dtype=torch.long)
 
 
-def _speculative_step(model, cache, tokens, mask, beam, batch, sampler, step):
+def _speculative_step(model, cache, tokens, mask, beam, batch, sampler):
     """Verify the draft tree after the pending token; commit the accepted path.
 
     Greedy: the longest candidate prefix equal to the target's argmax. Sampling:
-    :meth:`Sampler.accept`'s walk, a draw at each node with ``step``'s uniforms.
+    :meth:`Sampler.accept`'s walk, a draw at each node with its column's uniforms.
 
     Returns the new tokens ``(B, m)``, ``m``, the tree's node count and each row's
     accepted draft tokens ``(B,)``.
@@ -252,7 +252,7 @@ def _speculative_step(model, cache, tokens, mask, beam, batch, sampler, step):
     if sampler is None:
         index, accepted, _ = spec.greedy_accept(tree, packed, logits)
     else:
-        index, accepted, drawn = sampler.accept(tree, packed, logits, step)
+        index, accepted, drawn = sampler.accept(tree, packed, logits, tokens.shape[1])
     m = int(accepted.min())  # lockstep: every row commits the shortest acceptance
     path = packed.unpack_map[batch, index, :m]  # (B, m) tree nodes, root first
     rows = batch[:, None]
@@ -300,8 +300,9 @@ def generate(
     the ranks that own their global indices under the cache's placement, at their
     true positions; rejected nodes leave no trace. With ``do_sample=True`` a token
     is drawn at each node of the path instead (one agreed random stream), and the
-    path goes on while the draw is one of the node's children: the sequences are
-    distributed exactly as sampling from the filtered target.
+    path goes on while the draw is one of the node's children: the tokens are plain
+    sampling's with the same seed, token for token, so exactly distributed as
+    sampling from the filtered target.
 
     Parameters
     ----------
@@ -356,9 +357,11 @@ def generate(
     seed : int or torch.Generator, optional
         The random stream's 64-bit key, in ``[0, 2**64)``; a CPU ``torch.Generator``
         (or ``None``: torch's default one) gives it by one draw. The ranks agree on
-        the key: ranks with different keys raise. Every random number is a function
-        of the key, the step, the row and the depth only, so every rank draws the
-        same tokens. Unused (and nothing drawn) when greedy.
+        the key: ranks with different keys raise. The token at column ``t`` of row
+        ``b`` is drawn with a uniform that is a function of the key, ``b`` and ``t``
+        only, so every rank draws the same tokens, and the tokens are those of
+        plain sampling with the same key, whatever the drafter. Unused (and nothing
+        drawn) when greedy.
 
     Returns
     -------
@@ -390,10 +393,10 @@ def generate(
 
     Sampling keeps the target's distribution exactly over draft trees: SpecInfer's
     multi-candidate rule with point-mass drafts (a drafter returns token ids) is one
-    draw per node, descending when it is a child; lockstep stays exact because
-    whether the token at depth ``d`` is committed depends only on the uniforms of
-    lower depths, and dropped draws are never reused (the proof is in
-    ``_sampling.py``'s docstring).
+    draw per node, descending when it is a child. Each token's uniform depends on
+    its row and column only, so a token is the same function of its prefix in a
+    plain step, at a tree node, or redrawn after lockstep dropped it: the tokens are
+    plain sampling's with the same key (the proof is in ``_sampling.py``).
     """
     comm = extend.check_comm(getattr(cache, "comm", None))
     sampling = (do_sample, temperature, top_k, top_p, seed)
@@ -411,7 +414,7 @@ def generate(
             past_key_values=cache,
             use_cache=True,
         ).logits
-    tokens = torch.cat([tokens, _choose(logits[:, -1], sampler, 0)], 1)
+    tokens = torch.cat([tokens, _choose(logits[:, -1], sampler, s)], 1)
     mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
     stops = _Stops(model, s, b, eos_token_id, pad_token_id, stop_strings, tokenizer)
     stops.see(tokens, 1)
@@ -423,7 +426,6 @@ def generate(
     steps = []
     budget = _Budget(node_cost)
     while tokens.shape[1] < s + max_new_tokens and not stops.all_done:
-        step = len(steps) + 1  # the prompt's step is step 0
         depth = s + max_new_tokens - tokens.shape[1] - 1 if budget.drafts() else 0
         beam = tokens.new_empty(b, 1, 0)
         if depth:
@@ -437,11 +439,11 @@ def generate(
             beam = extend.agree(comm, prepare).payload
         if beam.shape[2]:
             new, m, nodes, accepted = _speculative_step(
-                model, cache, tokens, mask, beam, batch, sampler, step
+                model, cache, tokens, mask, beam, batch, sampler
             )
             budget.saw(m - 1, nodes)
         else:  # nothing drafted: the plain decode step model.generate takes
-            new, m, nodes, accepted = _plain_step(model, cache, tokens, mask, sampler, step)
+            new, m, nodes, accepted = _plain_step(model, cache, tokens, mask, sampler)
         tokens = torch.cat([tokens, new], 1)
         mask = torch.cat([mask, torch.ones_like(new)], 1)
         steps.append((accepted, m, nodes))

@@ -1,9 +1,12 @@
 """Sampling for :func:`generate`: the filtered target distribution, one agreed random stream.
 
-Every random number is a function of the agreed key and ``(step, row, depth)``
-only: ``u(step, row, depth)`` is the ``row``-th double of a Philox counter-based
-stream keyed by the key, its counter starting at ``(step, depth)``. Every rank
-draws the same numbers, whatever it drew before.
+Every random number is a function of the agreed key and ``(row, column)`` only,
+the column being the token's index in the row (prompt and padding included):
+``u(row, column)`` is the ``row``-th double of a Philox counter-based stream keyed
+by the key, its counter starting at ``column``. A tree node's column is the
+committed length plus its depth, so the numbers are a function of the key, the
+step, the row and the node. Every rank draws the same numbers, whatever it drew
+before.
 
 Why sample-and-match is exact on a draft tree
 ---------------------------------------------
@@ -16,20 +19,25 @@ so a node's children are distinct tokens. A drafter here returns token ids only
 ``q_i = delta(c_i)``. Then the rule accepts ``c_1`` with probability ``p(c_1)``,
 ``c_2`` with ``(1 - p(c_1)) * p(c_2) / (1 - p(c_1)) = p(c_2)``, ..., and draws
 ``x`` outside the children with ``p(x)``: exactly one draw ``x ~ p``, descending
-when ``x`` is a child. That is what :meth:`Sampler.accept` does, with one uniform
-per depth. Its output is ``p`` at every node whatever the candidates are, so it is
-exact for any drafter whose proposals do not read this stream (a drafter with its
-own randomness included); a drafter that could report a non-degenerate ``q``
-would only gain acceptance from the general rule, never exactness.
+when ``x`` is a child. That is what :meth:`Sampler.accept` does. Its output is
+``p`` at every node whatever the candidates are, so it is exact for any drafter
+whose proposals do not read this stream (a drafter with its own randomness
+included); a drafter that could report a non-degenerate ``q`` would only gain
+acceptance from the general rule, never exactness.
 
-Lockstep commit stays exact: a row's token at depth ``d`` of step ``s`` is
-``F(p(. | the tokens before it), u(s, row, d))`` (inverse CDF), and whether it is
-committed (every row accepted at least ``d`` draft tokens) depends only on the
-uniforms of depths below ``d``. So each committed token is drawn from the
-target's conditional with a uniform that nothing before it has looked at; tokens
-sampled beyond the committed length are dropped, and the next step uses step
-``s + 1``'s uniforms, never theirs. By induction over the committed tokens every
-row is an autoregressive sample of the filtered target, independent of the others.
+Why it equals plain sampling, lockstep included
+-----------------------------------------------
+The token at column ``t`` of a row is always ``F(p(. | tokens[:t]), u(row, t))``
+(``F``: the filtered inverse CDF), whether it is drawn in a plain step or at a
+tree node: the node at depth ``d`` after a pending token at column ``t - 1 - d``
+holds exactly ``tokens[:t]`` (its path is the drafted tokens that equalled the
+draws). Plain sampling draws the same ``F(p(. | tokens[:t]), u(row, t))``, so by
+induction over ``t`` the tokens are plain sampling's, token for token, whatever
+the drafts and however many tokens each step commits. Lockstep commit cannot
+bias them: a row that drew beyond the batch's committed length draws the same
+columns again in the next step, from the same prefix with the same uniform, and
+gets the same tokens. Plain sampling with ``u(row, t)`` i.i.d. uniform is an
+autoregressive sample of the filtered target, each row independent of the others.
 """
 
 from __future__ import annotations
@@ -119,9 +127,9 @@ class Sampler:
     def __init__(self, temperature, top_k, top_p, key):
         self.temperature, self.top_k, self.top_p, self.key = temperature, top_k, top_p, key
 
-    def uniforms(self, step, depth, rows):
-        """Return the agreed uniforms ``u(step, row, depth)`` of rows ``0..rows-1``."""
-        bits = np.random.Philox(key=self.key, counter=[0, 0, depth, step])
+    def uniforms(self, column, rows):
+        """Return the agreed uniforms ``u(row, column)`` of rows ``0..rows-1``, ``(rows,)``."""
+        bits = np.random.Philox(key=self.key, counter=[0, 0, column, 0])
         return np.random.Generator(bits).random(rows)
 
     def weights(self, logits):
@@ -152,13 +160,13 @@ class Sampler:
         cdf = np.cumsum(self.weights(logits))
         return min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), cdf.size - 1)
 
-    def draw_rows(self, logits, step):
-        """Return ``(B, 1)`` int64 tokens of ``(B, V)`` logits, drawn at depth 0 of ``step``."""
-        u = self.uniforms(step, 0, logits.shape[0])
+    def draw_rows(self, logits, column):
+        """Return ``(B, 1)`` int64 tokens of ``(B, V)`` logits: every row's token at ``column``."""
+        u = self.uniforms(column, logits.shape[0])
         out = [self.draw(logits[b], u[b]) for b in range(logits.shape[0])]
         return torch.tensor(out, dtype=torch.long, device=logits.device)[:, None]
 
-    def accept(self, tree, packed, logits, step):
+    def accept(self, tree, packed, logits, column):
         """Walk each row's tree: draw at the node, descend while the draw is a child.
 
         Parameters
@@ -169,8 +177,8 @@ class Sampler:
             ``pack(tree)``.
         logits : torch.Tensor
             ``(B, L, V)``: the target's logits at each packed node.
-        step : int
-            The step's index in the stream.
+        column : int
+            The column of the token after the pending one (the root's draw).
 
         Returns
         -------
@@ -187,7 +195,7 @@ class Sampler:
         index = torch.zeros(b, dtype=torch.long)
         accepted = torch.zeros(b, dtype=torch.long)
         drawn = torch.zeros(b, depth, dtype=torch.long)
-        u = [self.uniforms(step, d, b) for d in range(depth)]
+        u = [self.uniforms(column + d, b) for d in range(depth)]
         for row in range(b):
             alive = torch.arange(m)
             for d in range(depth):
