@@ -43,18 +43,22 @@ def records_from_lse(out, lse):
         ``(B, Sq, H, D)`` normalised attention output, any float dtype.
     lse : torch.Tensor
         ``(B, H, Sq)`` natural-log log-sum-exp of the scaled scores; ``+inf`` or
-        ``-inf`` where a row saw no key.
+        ``-inf`` where a row saw no key, and also where its score sum was NaN
+        (flash-attn's kernel then leaves the row's output unnormalised: NaN).
 
     Returns
     -------
     torch.Tensor
         ``(B, H, Sq, D + 2)`` float32 records ``[m, d, n]`` with ``m = lse``,
-        ``d = 1``, ``n = out``; the empty state ``[-inf, 0, 0]`` for rows without keys.
+        ``d = 1``, ``n = out``; the empty state ``[-inf, 0, 0]`` for rows without keys;
+        every field NaN (poisoned) for a NaN lse, or an infinite lse beside a NaN output.
     """
+    n = out.transpose(1, 2).float()
     seen = torch.isfinite(lse)[..., None]
+    poisoned = torch.isnan(lse)[..., None] | (~seen & torch.isnan(n).any(-1, keepdim=True))
     m = torch.where(seen, lse[..., None].float(), float("-inf"))
-    n = torch.where(seen, out.transpose(1, 2).float(), 0.0)
-    return torch.cat([m, seen.float(), n], dim=-1)
+    rec = torch.cat([m, seen.float(), torch.where(seen, n, 0.0)], dim=-1)
+    return torch.where(poisoned, float("nan"), rec)
 
 
 def _check(q, k_cache, v_cache, cache_seqlens, block_table):

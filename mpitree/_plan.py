@@ -273,6 +273,7 @@ class DecodePlan:
         call = agree(comm, prepare)
         self.problem, self.options = call.payload
         self.comm = comm
+        self._ranks = comm.Get_size()  # for repr, which may run after MPI.Finalize()
         opts = self.options
         limit_blas_threads()
         self._lazy = _LazyStep(self)
@@ -405,9 +406,7 @@ class DecodePlan:
         self.free()
 
     def __repr__(self):
-        return (
-            f"DecodePlan({self.problem}, strategy={self.strategy!r}, ranks={self.comm.Get_size()})"
-        )
+        return f"DecodePlan({self.problem}, strategy={self.strategy!r}, ranks={self._ranks})"
 
 
 def _layout(q, k, v, kv_len):

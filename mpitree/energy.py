@@ -112,8 +112,8 @@ def free_energy(
     else:
         c = shift if np.isscalar(shift) else shift[..., None]
     total = ns.sum(ns.exp(x - c), -1)
-    seen = total > 0
-    energy = ns.where(seen, ns.log(ns.where(seen, total, 1.0)), -np.inf)
+    empty = total == 0  # a NaN sum (a NaN logit) is not empty: it stays NaN, whatever c is
+    energy = ns.where(empty, -np.inf, ns.log(ns.where(empty, 1.0, total)))
     return energy + (c if np.isscalar(c) else c[..., 0])
 
 
@@ -137,9 +137,8 @@ def _logits(step, zeta, acc):
     x = q.astype(acc).reshape(b, hkv, g * sq, dim) @ kk.swapaxes(-1, -2)
     x *= acc.type(step.scale)
     keep = grouped_keep(_HOST, step.lens, step.vis, q, k)
-    if zeta is not None:
-        clean = vv if keep is None else np.where(np.isfinite(vv), vv, 0)
-        x += np.asarray(zeta, dtype=acc).reshape(b, hkv, g * sq, dim) @ clean.swapaxes(-1, -2)
+    if zeta is not None:  # a hidden key's garbage value reaches only its own column of x
+        x += np.asarray(zeta, dtype=acc).reshape(b, hkv, g * sq, dim) @ vv.swapaxes(-1, -2)
     if keep is not None:
         x = np.where(keep, x, acc.type(-np.inf))
     return x, vv, keep

@@ -176,7 +176,9 @@ def flash_attn_with_kvcache(
 
     Like the real kernel, keys past ``cache_seqlens`` are never read: they are
     selected out (garbage there never reaches the output), and a row without keys
-    gets output 0 and lse ``+inf``.
+    gets output 0 and lse ``+inf``; a row whose score sum is NaN also gets lse
+    ``+inf``, with its unnormalised output (NaN), as the kernel's
+    ``normalize_softmax_lse`` gives.
     """
     assert kw.pop("return_softmax_lse") and not kw.pop("causal") and not kw
     b, _, hq, d = q.shape
@@ -195,8 +197,9 @@ def flash_attn_with_kvcache(
     m = s.amax(-1, keepdim=True).nan_to_num(neginf=0.0) if t else s.sum(-1, keepdim=True)
     p = torch.exp(s - m)
     total = p.sum(-1, keepdim=True)
-    out = torch.where(total > 0, (p @ vh) / total.clamp_min(1e-30), 0.0)
-    lse = torch.where(total[..., 0] > 0, m[..., 0] + torch.log(total[..., 0]), torch.inf)
+    bad = (total == 0) | torch.isnan(total)  # as the kernel: lse +inf, the output not scaled
+    out = (p @ vh) * torch.where(bad, 1.0, 1.0 / total)
+    lse = torch.where(bad[..., 0], torch.inf, m[..., 0] + torch.log(total[..., 0]))
     return out.transpose(1, 2).to(q.dtype), lse
 
 
