@@ -249,7 +249,7 @@ def agree(comm, prepare):
     if comm.Get_size() > 1:
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MIN)
         if error is None and buf.tobytes() == enc.expected:
-            call.native = True
+            call.native = bool(buf[1])  # the agreed fact (a rank without the op sent 0)
             return call
     if buf[0] != _OK:
         raise_failure(comm, error)
