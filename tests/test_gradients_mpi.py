@@ -39,6 +39,14 @@ CALLS = {
         q, k, v, deterministic="invariant", block_size=6, kv_start=6 * world().rank
     ),
     "ring": lambda q, k, v: mpitree.tree_decode(q, k, v, strategy="ring"),
+    "allreduce3": lambda q, k, v: mpitree.tree_decode(q, k, v, strategy="allreduce3"),
+    "allgather": lambda q, k, v: mpitree.tree_decode(q, k, v, strategy="allgather"),
+    "hierarchical": lambda q, k, v: mpitree.tree_decode(q, k, v, strategy="hierarchical"),
+    "bfloat16": lambda q, k, v: mpitree.tree_decode(*(x.bfloat16() for x in (q, k, v))),
+    "float64": lambda q, k, v: mpitree.tree_decode(*(x.double() for x in (q, k, v))),
+    "verify_attention": lambda q, k, v: mpitree.spec.verify_attention(
+        q, k, v, k[:, :, :1], v[:, :, :1], torch.ones(1, 1, 1, dtype=torch.bool)
+    ),
 }
 
 
@@ -65,7 +73,7 @@ def test_nothing_requires_grad_costs_nothing():
 
 
 @pytest.mark.parallel(nprocs=NPROCS)
-@pytest.mark.parametrize("cache", ["ShardedCache", "none"])
+@pytest.mark.parametrize("cache", ["ShardedCache", "last", "invariant", "none"])
 def test_backward_through_a_transformers_model_raises(cache):
     model = tiny_llama()
     ids, _ = prompt(9, False)
@@ -74,11 +82,17 @@ def test_backward_through_a_transformers_model_raises(cache):
     assert model.model.layers[0].self_attn.q_proj.weight.grad is not None  # eager has one
     model.zero_grad(set_to_none=True)
     model.set_attn_implementation("mpitree")
-    kw = {"past_key_values": mtt.ShardedCache(model.config)} if cache != "none" else {}
-    logits = model(ids, use_cache=cache != "none", **kw).logits
+    options = {"last": {"placement": "last"}, "invariant": {"deterministic": "invariant"}}
+
+    def kwargs():
+        if cache == "none":
+            return {}
+        return {"past_key_values": mtt.ShardedCache(model.config, **options.get(cache, {}))}
+
+    logits = model(ids, use_cache=cache != "none", **kwargs()).logits
     with torch.no_grad():
-        kw = {"past_key_values": mtt.ShardedCache(model.config)} if cache != "none" else {}
-        plain = model(ids, use_cache=cache != "none", **kw).logits
+        plain = model(ids, use_cache=cache != "none", **kwargs()).logits
     assert torch.equal(logits.detach(), plain)
     with pytest.raises(RuntimeError, match=MESSAGE):
         logits.sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is None  # nothing half-done

@@ -33,7 +33,10 @@ tree node: the node at depth ``d`` after a pending token at column ``t - 1 - d``
 holds exactly ``tokens[:t]`` (its path is the drafted tokens that equalled the
 draws). Plain sampling draws the same ``F(p(. | tokens[:t]), u(row, t))``, so by
 induction over ``t`` the tokens are plain sampling's, token for token, whatever
-the drafts and however many tokens each step commits. Lockstep commit cannot
+the drafts and however many tokens each step commits (to the logits' float
+rounding: a tree node's logits and a plain step's agree to about 1e-6, so a
+uniform that close to a CDF boundary could pick its neighbour, as a near tie can
+flip a greedy argmax). Lockstep commit cannot
 bias them: a row that drew beyond the batch's committed length draws the same
 columns again in the next step, from the same prefix with the same uniform, and
 gets the same tokens. Plain sampling with ``u(row, t)`` i.i.d. uniform is an
