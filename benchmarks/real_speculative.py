@@ -52,7 +52,7 @@ def timed(model, ids, new, speculative, lookup):
         seqs, steps = out.sequences, len(out.committed) + 1
     else:
         with torch.no_grad():
-            seqs = model.generate(ids, past_key_values=cache, max_new_tokens=new, do_sample=False)
+            seqs = model.generate(ids, cache=cache, max_new_tokens=new, do_sample=False)
         steps = seqs.shape[1] - ids.shape[1]
     seconds = MPI.COMM_WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX)
     return seqs, seconds, steps

@@ -76,7 +76,7 @@ def generate(model, ids, impl, new_tokens, cache=None):
     with torch.no_grad():
         out = model.generate(
             ids,
-            past_key_values=cache,
+            cache=cache,
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
@@ -85,13 +85,13 @@ def generate(model, ids, impl, new_tokens, cache=None):
             stopping_criteria=[clock],
             pad_token_id=0,
         )
-    return out.sequences, torch.stack(out.logits, 1), clock, out.past_key_values
+    return out.sequences, torch.stack(out.logits, 1), clock, out.cache
 
 
 def forced_logits(model, cache, tokens):
     """Logits ``(B, len(tokens), V)`` of one step feeding ``tokens`` after the cache."""
     with torch.no_grad():
-        return model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
+        return model(input_ids=tokens, cache=cache, use_cache=True).logits
 
 
 def wait_quietly(comm):

@@ -124,7 +124,7 @@ def hf_generate(model, ids, cache, new, **kwargs):
     with torch.no_grad():
         out = model.generate(
             ids,
-            past_key_values=copy.deepcopy(cache),
+            cache=copy.deepcopy(cache),
             max_new_tokens=new,
             do_sample=False,
             pad_token_id=0,

@@ -41,7 +41,7 @@ def greedy(model, ids, mask, cache, new_tokens):
         return model.generate(
             ids,
             attention_mask=mask,
-            past_key_values=cache,
+            cache=cache,
             max_new_tokens=new_tokens,
             do_sample=False,
             output_logits=True,

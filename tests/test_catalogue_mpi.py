@@ -320,7 +320,7 @@ def filled_cache(batch=2, length=9, **options):
     ids, _ = prompt(length, False, batch)
     cache = mtt.ShardedCache(m.config, block_size=4, **options)
     with torch.no_grad():
-        m(ids, past_key_values=cache)
+        m(ids, cache=cache)
     return m, ids, cache
 
 
@@ -336,7 +336,7 @@ def attention_cases():
             good = torch.ones(2, 1, tokens, ids.shape[1] + tokens, dtype=torch.bool)
             kwargs["attention_mask"] = mask if bad else good
         with torch.no_grad():
-            m(nxt, past_key_values=cache, **kwargs)
+            m(nxt, cache=cache, **kwargs)
 
     return {
         "batch change on one rank": lambda bad: step(bad, batch=1),
@@ -386,7 +386,7 @@ def torn_blocks(bad):
         for layer in cache.layers:
             layer.positions = layer.positions + 1
     with torch.no_grad():
-        m(ids[:, :1], past_key_values=cache)
+        m(ids[:, :1], cache=cache)
 
 
 def strategy_changed(bad):
@@ -394,19 +394,19 @@ def strategy_changed(bad):
     if bad:
         cache.strategy = "ring"
     with torch.no_grad():
-        m(ids[:, :1], past_key_values=cache)
+        m(ids[:, :1], cache=cache)
 
 
 def without_cache(bad):
     m, ids, cache = filled_cache()
     with torch.no_grad():
-        m(ids[:, :1], past_key_values=None if bad else cache, use_cache=not bad)
+        m(ids[:, :1], cache=None if bad else cache, use_cache=not bad)
 
 
 def refed(bad):
     m, ids, cache = filled_cache()
     with torch.no_grad():  # positions 0..8 again, as generate(ids) on this cache would feed
-        m(ids, past_key_values=cache, position_ids=torch.arange(9)[None] if bad else None)
+        m(ids, cache=cache, position_ids=torch.arange(9)[None] if bad else None)
 
 
 def beams_after_prefill(bad):
@@ -415,9 +415,7 @@ def beams_after_prefill(bad):
     cache = mtt.ShardedCache(m.config, block_size=4)
     mtt.prefill(m, ids[:, :-1], cache)
     with torch.no_grad():
-        m.generate(
-            ids, past_key_values=cache, max_new_tokens=2, num_beams=2 if bad else 1, do_sample=False
-        )
+        m.generate(ids, cache=cache, max_new_tokens=2, num_beams=2 if bad else 1, do_sample=False)
 
 
 def prefill_cases():
@@ -427,7 +425,7 @@ def prefill_cases():
         cache = mtt.ShardedCache(m.config, block_size=4)
         if bad and dirty:
             with torch.no_grad():
-                m(good[:, :2], past_key_values=cache)
+                m(good[:, :2], cache=cache)
         mtt.prefill(
             m, ids if bad and ids is not None else good, cache, attention_mask=mask if bad else None
         )

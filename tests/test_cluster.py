@@ -105,7 +105,9 @@ def test_teardown_after_an_exception_and_a_timeout():
     assert leftovers(tag) == []
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 128 + 15)])
+@pytest.mark.parametrize(
+    "sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 128 + 15), (signal.SIGHUP, 128 + 1)]
+)
 def test_teardown_after_a_signal_to_the_harness(sig, code):
     cmd = [PY, "-m", "mpitree", "cluster", "--nodes", "2", "--ranks-per-node", "2"]
     proc = subprocess.Popen(

@@ -87,7 +87,7 @@ def test_backward_through_a_transformers_model_raises(cache):
     def kwargs():
         if cache == "none":
             return {}
-        return {"past_key_values": mtt.ShardedCache(model.config, **options.get(cache, {}))}
+        return {"cache": mtt.ShardedCache(model.config, **options.get(cache, {}))}
 
     logits = model(ids, use_cache=cache != "none", **kwargs()).logits
     with torch.no_grad():

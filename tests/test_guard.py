@@ -31,7 +31,7 @@ calls = {
     "energy": lambda: mpitree.energy.tree_energy(q, q, q),
     "ShardedCache": lambda: mtt.ShardedCache(model.config),
     "transformers forward": lambda: model(torch.ones(1, 3, dtype=torch.long),
-                                          past_key_values=cache),
+                                          cache=cache),
     "verify_attention": lambda: mpitree.spec.verify_attention(
         q, q, q, q, q, np.ones((1, 1, 1), bool)),
     "attention_variance": lambda: mpitree.energy.attention_variance(q, q, q),

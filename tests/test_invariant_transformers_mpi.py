@@ -78,8 +78,8 @@ def test_pieces_per_rank(placement, monkeypatch):
         model.config, placement=placement, deterministic="invariant", block_size=BLOCK
     )
     with torch.no_grad():
-        model(ids, past_key_values=cache)
-        model(ids[:, :1], past_key_values=cache)
+        model(ids, cache=cache)
+        model(ids[:, :1], cache=cache)
     blocks = -(-cache.local_length() // BLOCK)
     assert len(sent) == 2 and blocks >= 256 // BLOCK // world().size
     if placement == "interleave":  # no two of a rank's blocks are siblings: one piece each
@@ -110,9 +110,9 @@ def test_placement_changed_on_one_rank_raises_on_every_rank(field):
     ids, _ = prompt(24, False)
     cache = mtt.ShardedCache(model.config, deterministic="invariant", block_size=BLOCK)
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
         if world().rank == 1:
             setattr(cache.sharding, field, "last" if field == "placement" else 2 * BLOCK)
         with pytest.raises(ValueError, match=f"ranks disagree on {field}"):
-            model(ids[:, :1], past_key_values=cache)
+            model(ids[:, :1], cache=cache)
     assert mtt.ShardedCache().sharding.block_size == 64

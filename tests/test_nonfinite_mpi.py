@@ -320,5 +320,5 @@ def test_nan_embedding_row_gives_nan_logits_as_sdpa_does(placement, deterministi
         cache = mtt.ShardedCache(
             model.config, placement=placement, deterministic=deterministic, **block
         )
-        out = model(ids, past_key_values=cache).logits
+        out = model(ids, cache=cache).logits
     assert torch.isnan(out[0, 6:]).all() and not torch.isnan(out[0, :6]).any()

@@ -88,7 +88,7 @@ def test_left_padded_chat_batch(placement, deterministic):
     )
     with torch.no_grad():
         got = model.generate(
-            ids, attention_mask=mask, past_key_values=cache, max_new_tokens=24, do_sample=False
+            ids, attention_mask=mask, cache=cache, max_new_tokens=24, do_sample=False
         )
     same_text(tokenizer, got, want, ids.shape[1])
     assert "Paris" in tokenizer.decode(got[0, ids.shape[1] :])
@@ -105,7 +105,7 @@ def test_prefill_of_a_long_document():
     mtt.prefill(model, ids[:, :-1], cache)
     assert cache.local_length() < ids.shape[1] or world().size == 1  # sharded
     with torch.no_grad():
-        got = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+        got = model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False)
     same_text(tokenizer, got, want, ids.shape[1])
 
 

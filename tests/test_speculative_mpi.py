@@ -24,7 +24,7 @@ def greedy(model, ids, mask, impl, cache=None, new=NEW):
         return model.generate(
             ids,
             attention_mask=mask,
-            past_key_values=cache,
+            cache=cache,
             max_new_tokens=new,
             do_sample=False,
             pad_token_id=0,

@@ -12,7 +12,7 @@ reduction, so the outputs equal one process's::
     model = AutoModelForCausalLM.from_config(config, attn_implementation="mpitree")
     cache = mtt.ShardedCache(model.config)          # placement="interleave"
     mtt.prefill(model, input_ids[:, :-1], cache)    # optional: shard the prompt's work
-    out = model.generate(input_ids, past_key_values=cache, do_sample=False)
+    out = model.generate(input_ids, cache=cache, do_sample=False)
 
 Queries are computed on every rank (the dense layers are replicated); only the
 attention over the cache is split. Under :func:`prefill` the dense work of the

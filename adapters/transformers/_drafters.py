@@ -163,7 +163,7 @@ class DraftModel:
                 tokens[:, done:],
                 attention_mask=mask,
                 position_ids=_positions(mask)[:, done:],
-                past_key_values=cache,
+                cache=cache,
             )
             self._seen = (tokens.clone(), mask.clone(), cache)
             chain = [out.logits[:, -1].topk(k, -1).indices.reshape(b * k, 1)]
@@ -174,7 +174,7 @@ class DraftModel:
             for _ in range(width - 1):
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
                 logits = self.model(
-                    chain[-1], attention_mask=mask, position_ids=position, past_key_values=cache
+                    chain[-1], attention_mask=mask, position_ids=position, cache=cache
                 ).logits
                 chain.append(logits[:, -1].argmax(-1, keepdim=True))
                 position = position + 1

@@ -228,7 +228,7 @@ def _plain_step(model, cache, tokens, mask, sampler):
             tokens[:, -1:],
             attention_mask=mask,
             position_ids=_positions(mask)[:, -1:],
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
         ).logits
     nxt = _choose(logits[:, -1], sampler, tokens.shape[1])
@@ -411,7 +411,7 @@ def generate(
             tokens[:, cached:],
             attention_mask=mask,
             position_ids=_positions(mask)[:, cached:],
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
         ).logits
     tokens = torch.cat([tokens, _choose(logits[:, -1], sampler, s)], 1)

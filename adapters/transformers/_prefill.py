@@ -92,7 +92,7 @@ def prefill(model, input_ids, cache, attention_mask=None):
     """Run the whole prompt into an empty ``cache``, sharding its work; return the next logits.
 
     Afterwards ``cache`` holds every token of ``input_ids``, as after
-    ``model(input_ids, past_key_values=cache)``, and the logits are those of the
+    ``model(input_ids, cache=cache)``, and the logits are those of the
     last prompt token. Each rank runs the model only on the prompt tokens its
     placement assigns it (with their true positions), so the dense layers' work
     is split ``p`` ways; the causal attention across chunks goes through the
@@ -109,7 +109,7 @@ def prefill(model, input_ids, cache, attention_mask=None):
     ``ids``, prefill ``ids[:, :-1]`` (and ``attention_mask[:, :-1]``) and pass
     ``ids`` to ``generate``; to reuse a prefilled prompt for several
     continuations, pass ``generate`` the prompt plus each continuation and a
-    ``copy.deepcopy(cache)``. ``generate(ids, past_key_values=cache)`` on a cache
+    ``copy.deepcopy(cache)``. ``generate(ids, cache=cache)`` on a cache
     that already holds all of ``ids`` would feed the prompt a second time: it
     raises ``ValueError`` on every rank and leaves the cache as it was.
 
@@ -173,7 +173,7 @@ def prefill(model, input_ids, cache, attention_mask=None):
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=positions,
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
             )
@@ -185,7 +185,7 @@ def prefill(model, input_ids, cache, attention_mask=None):
             input_ids=input_ids[:, total:],
             attention_mask=attention_mask,
             position_ids=positions[:, total:],
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=1,
         )
@@ -207,7 +207,7 @@ def _sharded_step(model, input_ids, cache, attention_mask, positions, total):
             input_ids=input_ids[:, mine],
             attention_mask=mask,
             position_ids=positions[:, mine],
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=1,
         )

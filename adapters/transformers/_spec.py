@@ -69,7 +69,7 @@ def verify(model, cache, packed, attention_mask=None):
                 input_ids=tokens,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
             ).logits
     finally:

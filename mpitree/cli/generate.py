@@ -208,7 +208,7 @@ def _decode(args, mtt, model, tokenizer, draft, ids, comm):
         with torch.no_grad():
             sequences = model.generate(
                 ids,
-                past_key_values=cache,
+                cache=cache,
                 max_new_tokens=args.max_new_tokens,
                 do_sample=False,
                 streamer=clock,
