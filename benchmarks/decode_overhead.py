@@ -1,12 +1,15 @@
 """Per-layer decode overhead of attn_implementation="mpitree", broken down, vs transformers' sdpa.
 
 Every rank runs the same random-weight Llama decode steps over a ``ShardedCache``;
-timers wrap the attention entry point, the merge, the layer's local work inside it
-and the C kernel, so each layer's time splits into the kernel, local checks and
-visibility, the merge's communication and the rest of the call (the overhead is
-everything but the kernel and the communication). With one
-rank the same steps also run with ``sdpa`` over a ``DynamicCache``, interleaved, and
-the table adds sdpa's attention call and whole-step times.
+timers wrap the attention entry point, the merge, the merge strategy's collective
+(with its failure flag), the layer's checked local work inside the merge (when a
+layer takes that path rather than its one-call step) and the C kernel (with its
+ctypes call), so each layer's time splits into the kernel, the collective, the
+merge's own Python, the layer's checks and the rest of the call. The overhead is
+everything but the kernel and the collective. With one rank the same steps also
+run with ``sdpa`` over a ``DynamicCache``, interleaved, and the table adds sdpa's
+attention call and whole-step times. Each timer adds about a microsecond to the
+calls around it.
 
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/decode_overhead.py --context 2048
 """
@@ -24,8 +27,9 @@ import transformers
 from mpi4py import MPI
 from mpitree.adapters.transformers._attention import LayerStep
 
-from mpitree import _merger, _plan
+from mpitree import _kernel, _merger, _plan
 from mpitree._plan import Attention
+from mpitree._strategies import REGISTRY
 
 TIMES = defaultdict(list)
 
@@ -41,6 +45,28 @@ def timed(name, fn):
             TIMES[name].append(time.perf_counter() - start)
 
     return wrapper
+
+
+def per_step(times, steps):
+    """Each step's mean over its layers of the call less its kernel and collective (seconds)."""
+    calls, kernels, colls = (times[k] for k in ("mpitree call", "kernel", "collective"))
+    layers = len(calls) // steps
+    if len(kernels) != len(calls) or len(colls) != len(calls):
+        raise RuntimeError("a layer ran no kernel or no collective: the breakdown does not apply")
+    return [
+        (sum(calls[i : i + layers]) - sum(kernels[i : i + layers]) - sum(colls[i : i + layers]))
+        / layers
+        for i in range(0, len(calls), layers)
+    ]
+
+
+def by_layer(times, steps):
+    """Medians of the call less its kernel and collective: the step's first layer, the others."""
+    calls, kernels, colls = (times[k] for k in ("mpitree call", "kernel", "collective"))
+    layers = len(calls) // steps
+    rest = [c - k - x for c, k, x in zip(calls, kernels, colls, strict=True)]
+    later = [x for i, x in enumerate(rest) if i % layers]
+    return statistics.median(rest[::layers]), statistics.median(later or [float("nan")])
 
 
 def main():
@@ -80,10 +106,14 @@ def main():
     funcs["mpitree"] = timed("mpitree call", funcs["mpitree"])
     funcs["sdpa"] = timed("sdpa call", funcs["sdpa"])
     _merger.Merger.merge = timed("merge", _merger.Merger.merge)
+    for cls in REGISTRY.values():  # the collective and its failure flag
+        cls.reduce = timed("collective", cls.reduce)
     Attention.fill = timed("kernel", Attention.fill)  # the unbound path
     _plan.Prepared.run = timed("kernel", _plan.Prepared.run)  # a plan's bound kernel
     _plan.Prepared.run_raw = timed("kernel", _plan.Prepared.run_raw)  # a layer's bound kernel
-    LayerStep.fill = timed("local", LayerStep.fill)
+    if hasattr(_kernel, "BoundLayer"):  # a layer's one-call step
+        _kernel.BoundLayer.fill = timed("kernel", _kernel.BoundLayer.fill)
+    LayerStep.fill = timed("local", LayerStep.fill)  # a layer's checked step
     tok = ids[:, -1:]
 
     def step(impl, c):
@@ -101,23 +131,34 @@ def main():
         for impl, c in runs:
             step(impl, c)
     med = {k: statistics.median(v) * 1e6 for k, v in TIMES.items()}
+    med["per step"] = statistics.median(per_step(TIMES, args.steps)) * 1e6
+    first, later = by_layer(TIMES, args.steps)
+    med["first layer"], med["later layers"] = first * 1e6, later * 1e6
     every = comm.gather(med)
     if comm.rank:
         return
     med = {k: max(m[k] for m in every) for k in med}
-    call, merge, local, kernel = (med[k] for k in ("mpitree call", "merge", "local", "kernel"))
+    call, merge, kernel, coll = (med[k] for k in ("mpitree call", "merge", "kernel", "collective"))
+    local = med.get("local", kernel)  # no checked step: every layer ran its one call
     print(
         f"{comm.size} rank(s), context {args.context}, Llama 8 q / 2 kv heads, D 32, float32; "
         f"slowest rank's median of {args.steps} steps, us per layer"
     )
     rows = [
         ("local attention: the C kernel", kernel),
+        ("the collective and its flag", coll),
         ("local checks and visibility", local - kernel),
-        ("merge communication (merge - local)", merge - local),
+        ("the merge's own Python", merge - local - coll),
         ("the rest of the call (signature, finish)", call - merge),
-        ("overhead: checks + visibility + rest", call - merge + local - kernel),
+        ("overhead: all but kernel and collective", call - kernel - coll),
+        ("  the same, a step's layers' mean", med["per step"]),
+        ("  the step's first layer (its agreement)", med["first layer"]),
+        ("  each later layer", med["later layers"]),
+        ("  (earlier definition: checks + rest)", call - merge + local - kernel),
         ("mpitree attention call", call),
     ]
+    if "local" in med:
+        print(f"  (the checked path ran {len(TIMES['local'])} of {len(TIMES['merge'])} layers)")
     if "sdpa call" in med:
         rows.append(("sdpa attention call (1 process)", med["sdpa call"]))
         rows.append(("whole step, mpitree / sdpa (us)", None))

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from ._library import AttnArgs, native_lib
+from ._library import AttnArgs, LayerArgs, native_lib
 
 KERNEL_ENV = "MPITREE_LOCAL_KERNEL"  # "native" (default when built) or "numpy"
 _local = threading.local()  # per-thread scratch buffer of the kernel
@@ -204,6 +204,67 @@ class Prepared:
         args.t = k.shape[2]
         args.lens = None if lens is None else lens.ctypes.data
         self._fn(self._ref, q.ctypes.data, self._kp, self._vp, self._op, self._sp)
+
+
+class BoundLayer:
+    """One decode layer's kernel call bound to fixed addresses: one C call per step each way.
+
+    A cache layer whose K/V grow in place inside fixed buffers, merged through
+    one merger's fixed record buffer, runs the kernel on the same addresses,
+    strides and scale step after step: only the query, the shard length and the
+    step's visibility change. This holds the compiled library's ``mpitree_layer``
+    struct with everything else bound. A step sets ``call.q``, ``call.t``,
+    ``call.vis`` and ``call.vis_heads``; :meth:`fill` runs the kernel into the
+    records and, after the merge, :meth:`finish` writes the output in
+    ``(B, Sq, Hq, D)`` order. The caller checks that the layout it was bound for
+    still holds; the arrays behind the addresses are kept alive here.
+    """
+
+    __slots__ = ("_attend", "_finish", "_keep", "_ref", "call")
+
+    def __init__(self, lib, shape, kv_heads, k, v, records, scale, keep):
+        b, hq, sq, dim = shape
+        call = self.call = LayerArgs()
+        call.args = AttnArgs(b, hq, kv_heads, sq, dim, _I64x3(*k[1]), _I64x3(*v[1]), 0, 0)
+        call.args.scale = scale
+        scratch = np.empty(lib.mpitree_attend_scratch(hq // kv_heads * sq, dim), np.float32)
+        call.k, call.v, call.rec, call.scratch = k[0], v[0], records, scratch.ctypes.data
+        self._keep = (*keep, scratch)
+        self._ref = ctypes.byref(call)
+        self._attend, self._finish = lib.mpitree_layer_attend_f32, lib.mpitree_layer_finish_f32
+
+    @classmethod
+    def of(cls, shape, kv_heads, k, v, records, scale, keep=()):
+        """Bind a layer; None without the compiled library.
+
+        Parameters
+        ----------
+        shape : tuple of int
+            The query's ``(B, Hq, Sq, D)``; the query is C-contiguous float32.
+        kv_heads : int
+            ``Hkv``, dividing ``Hq``.
+        k, v : tuple
+            ``(address, (batch, head, key) strides in elements)`` of float32 K and V
+            ``(B, Hkv, T, D)`` with unit stride along ``D``.
+        records : int
+            Address of the merge's float32 ``(B, Hq, Sq, D + 2)`` records, C order.
+        scale : float
+            The score scale.
+        keep : tuple
+            The objects owning those addresses, held while the binding lives.
+        """
+        lib = _lib()
+        if lib is None:
+            return None
+        return cls(lib, shape, kv_heads, k, v, records, scale, keep)
+
+    def fill(self, records):
+        """Run the kernel into the bound records (``records``: the merger's same buffer)."""
+        self._attend(self._ref)
+
+    def finish(self, out):
+        """Write the merged records' output to address ``out``: float32 ``(B, Sq, Hq, D)``."""
+        self._finish(self._ref, out)
 
 
 def read_seconds(x):

@@ -33,6 +33,22 @@ class AttnArgs(ctypes.Structure):
     ]
 
 
+class LayerArgs(ctypes.Structure):
+    """Mirror of ``mpitree_layer`` in ``_native.c``: one decode layer's bound kernel call."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("t", ctypes.c_int64),
+        ("vis", ctypes.c_void_p),
+        ("vis_heads", ctypes.c_int64),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("rec", ctypes.c_void_p),
+        ("scratch", ctypes.c_void_p),
+        ("args", AttnArgs),
+    ]
+
+
 def library_path():
     """Return the path of the compiled library built for this interpreter, or None.
 
@@ -68,6 +84,10 @@ def _load():
         lib.mpitree_finish_f32.argtypes += [ctypes.c_void_p]
         lib.mpitree_attend_f32.restype = None
         lib.mpitree_attend_f32.argtypes = [ctypes.POINTER(AttnArgs)] + [ctypes.c_void_p] * 5
+        lib.mpitree_layer_attend_f32.restype = None
+        lib.mpitree_layer_attend_f32.argtypes = [ctypes.POINTER(LayerArgs)]
+        lib.mpitree_layer_finish_f32.restype = None
+        lib.mpitree_layer_finish_f32.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_void_p]
         lib.mpitree_attend_scratch.restype = ctypes.c_int64
         lib.mpitree_attend_scratch.argtypes = [ctypes.c_int64] * 2
         lib.mpitree_read_f32.restype = ctypes.c_float

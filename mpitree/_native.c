@@ -643,3 +643,40 @@ float mpitree_read_f32(const float *x, int64_t n)
         acc += x[i];
     return acc;
 }
+
+/* ------------------------------------------------------------------------- */
+/* One decode layer's local step, bound once (mpitree/_kernel.py BoundLayer). */
+/* The kernel's arguments and the addresses of K, V (the cache's buffers,    */
+/* which grow in place), the merge's records and the scratch stay the same   */
+/* step after step; a step sets only q, the shard length and the step's      */
+/* visibility, then one call runs the kernel into the records and, after the */
+/* merge, one call writes the output in transformers' (B, Sq, Hq, D) layout. */
+/* ------------------------------------------------------------------------- */
+
+typedef struct {
+    const float *q;     /* this step's (B, Hq, Sq, D) query, C order */
+    int64_t t;          /* this step's shard length T */
+    const uint8_t *vis; /* this step's (B, Hm, Sq, T) visibility, or NULL (every key) */
+    int64_t vis_heads;  /* Hm: 1 or Hq */
+    const float *k, *v; /* bound: the shard's K and V, strides in args */
+    float *rec;         /* bound: the merge's (B, Hq, Sq, D + 2) records */
+    float *scratch;     /* bound: mpitree_attend_scratch(G * Sq, D) floats */
+    mpitree_attn_args args;
+} mpitree_layer;
+
+/* The step's records of q over the shard: mpitree_attend_f32 on the bound arguments. */
+void mpitree_layer_attend_f32(mpitree_layer *l)
+{
+    l->args.t = l->t;
+    l->args.vis = l->vis;
+    l->args.vis_heads = l->vis_heads;
+    l->args.lens = NULL;
+    mpitree_attend_f32(&l->args, l->q, l->k, l->v, l->rec, l->scratch);
+}
+
+/* The merged records' output into out (B, Sq, Hq, D), C order: mpitree_finish_f32. */
+void mpitree_layer_finish_f32(const mpitree_layer *l, float *out)
+{
+    const mpitree_attn_args *a = &l->args;
+    mpitree_finish_f32(l->rec, a->batch, a->q_heads, a->q_len, a->head_dim, out);
+}

@@ -32,6 +32,7 @@ Everything here is public and stable within a minor version; adapters in
 
 from ._checks import Problem, check_masking, check_qkv
 from ._guard import ENTRY_POINTS, Call, RankError, agree, check_comm, entry_point
+from ._kernel import BoundLayer
 from ._local import attend, state_records
 from ._masks import visibility
 from ._merger import Merger, merger_for
@@ -45,6 +46,7 @@ __all__ = [
     "ENTRY_POINTS",
     "INVARIANT",
     "Attention",
+    "BoundLayer",
     "KernelSlot",
     "Call",
     "Merger",

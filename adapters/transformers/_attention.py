@@ -98,7 +98,7 @@ def _visible(mask, queries, keys, length, batch, heads, sharded=False):
     return ~blocked
 
 
-@dataclass(frozen=True)
+@dataclass
 class Agreed:
     """What every rank agreed on in a model step's first attention call."""
 
@@ -107,6 +107,8 @@ class Agreed:
     merger: object  # the shared merger for the step's decode layers (None under prefill)
     # visibility per (mask, shard length): every layer of a step shares it
     visible: dict = field(default_factory=dict)
+    # the step's :class:`StepFast` once a layer asked for it (False: no layer runs fast)
+    fast: object = None
 
 
 def _signature(query, key, value, scaling, sharding, sharded):
@@ -363,6 +365,198 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, signature, pos
     return agreed
 
 
+# strategies whose merge needs only the filled records ("ring" asks for the shard itself)
+RECORD_STRATEGIES = ("allreduce", "allreduce3", "allgather", "hierarchical")
+
+
+class StepFast:
+    """What a step's layers share on the one-call path: the mask, the shard and its visibility.
+
+    It also holds the step's outputs, allocated together for the cache's layers
+    when the first layer needs one (one allocation a step instead of one a layer):
+    ``outs`` pairs each ``(B, Sq, Hq, D)`` float32 tensor with its address.
+    """
+
+    __slots__ = ("length", "mask", "out_shape", "outs", "t", "vis", "vis_heads")
+
+    def __init__(self, mask, t, length, vis, vis_heads):
+        self.mask, self.t, self.length, self.vis, self.vis_heads = mask, t, length, vis, vis_heads
+        self.out_shape, self.outs = None, []
+
+    def output(self, shape, layers):
+        """Return a fresh float32 ``shape`` tensor and its address (make ``layers`` at first)."""
+        if self.outs and shape == self.out_shape:
+            return self.outs.pop()
+        if self.out_shape is None:  # the step's first: one block for every layer's output
+            self.out_shape = shape
+            block = torch.empty((max(layers, 1), *shape), dtype=torch.float32)
+            size = block[0].numel() * block.element_size()
+            self.outs = [(x, block.data_ptr() + i * size) for i, x in enumerate(block.unbind(0))]
+            return self.outs.pop()
+        out = torch.empty(shape, dtype=torch.float32)
+        return out, out.data_ptr()
+
+
+def _step_fast(agreed, view, mask, query):
+    """Return the step's :class:`StepFast` from the visibility its agreement computed, or False.
+
+    Only reads the memo that the guarded checks filled (never computes, so never
+    raises). The kernel reads the visibility as ``(B, Hm, Sq, T)`` bytes: a mask
+    that is not that, C-contiguous, takes the checked path.
+    """
+    layer = view.layer
+    memo = agreed.visible.get(_visible_key(mask, view))
+    if memo is None or view.sharded or not isinstance(agreed.merger, extend.Merger):
+        return False
+    keep, t = memo[1], int(layer.positions.numel())
+    if keep is None:
+        return StepFast(mask, t, layer.length, 0, 0)
+    b, hq, sq = (int(s) for s in query.shape[:3])
+    if (
+        sq != 1  # the checked path splits many rows into blocks by the visible keys
+        or keep.dtype != torch.bool
+        or keep.device.type != "cpu"
+        or tuple(keep.shape) not in ((b, 1, sq, t), (b, hq, sq, t))
+        or not keep.is_contiguous()
+    ):
+        return False
+    return StepFast(mask, t, layer.length, keep.data_ptr(), int(keep.shape[1]))
+
+
+class LayerFast:
+    """A layer's bound one-call step (:class:`extend.BoundLayer`) and what it was checked for.
+
+    Made after the layer's checked step succeeded; it stays valid while its K/V
+    are views of the same cache buffers (the layer drops it when they change),
+    its step's signature is the very dict it was checked under, and the query
+    has the same shape and strides.
+    """
+
+    __slots__ = (
+        "bound",
+        "merger",
+        "out_shape",
+        "q_shape",
+        "q_stride",
+        "scaling",
+        "signature",
+        "vis",
+    )
+
+    def __init__(self, bound, signature, merger, scaling, query):
+        self.bound, self.signature, self.merger, self.scaling = bound, signature, merger, scaling
+        self.q_shape, self.q_stride = query.shape, query.stride()
+        b, hq, sq, d = query.shape
+        self.out_shape = (b, sq, hq, d)
+        self.vis = 0  # the visibility address the bound call holds
+
+    def __deepcopy__(self, memo):
+        """Return None: a copied cache has other buffers, so its layer starts unbound."""
+        return None
+
+
+def _bind(view, query, key, value, scaling, signature, agreed):
+    """Return the :class:`LayerFast` of a layer whose checked step just succeeded, or None."""
+    layer, merger = view.layer, agreed.merger
+    buffers = getattr(layer, "_buffers", None)
+    if (
+        buffers is None
+        or key is not buffers[3]
+        or value is not buffers[4]
+        or view.sharded
+        or signature is not agreed.signature
+        or not isinstance(merger, extend.Merger)
+        or merger.strategy not in RECORD_STRATEGIES
+        or torch.is_grad_enabled()
+        or not all(x.dtype == torch.float32 and x.device.type == "cpu" for x in (query, key, value))
+        or any(x.is_neg() for x in (query, key, value))
+        or not query.is_contiguous()
+        or query.shape[2] > 16
+        or (key.stride(3) != 1 and key.shape[3] > 1)
+        or (value.stride(3) != 1 and value.shape[3] > 1)
+    ):
+        return None
+    records = merger.records
+    b, hq, sq, d = (int(s) for s in query.shape)
+    if (
+        records.dtype != np.float32
+        or not records.flags.c_contiguous
+        or records.shape != (b * hq * sq, d + 2)
+    ):
+        return None
+    k, v = buffers[0], buffers[1]
+    bound = extend.BoundLayer.of(
+        (b, hq, sq, d),
+        int(k.shape[1]),
+        (k.data_ptr(), k.stride()[:3]),
+        (v.data_ptr(), v.stride()[:3]),
+        records.ctypes.data,
+        agreed.scale,
+        keep=(k, v, merger),
+    )
+    return None if bound is None else LayerFast(bound, signature, merger, scaling, query)
+
+
+def _rebind(view, query, key, value, scaling, signature, agreed):
+    """After a layer's checked step: bind its one-call step unless its binding still fits."""
+    fast = view.layer.fast
+    if (
+        fast is None
+        or fast.signature is not agreed.signature
+        or fast.merger is not agreed.merger
+        or fast.scaling != scaling
+        or fast.q_shape != query.shape
+        or fast.q_stride != query.stride()
+    ):
+        view.layer.fast = _bind(view, query, key, value, scaling, signature, agreed)
+
+
+def _fast_attention(view, query, key, value, mask, scaling, agreed):
+    """Run a decode layer in one compiled call each side of its merge; None if it does not apply.
+
+    Applies when the layer's :class:`LayerFast` is bound and this call repeats what
+    it was bound for: the step's signature is the dict it was checked under, K/V
+    are its buffers, the query has the same shape and strides, the mask and the
+    shard are the step's. Everything a later layer's signature holds it to then
+    holds, so it runs the bound kernel inside the merge (whose flag carries no
+    failure: nothing here raises) and writes the output. Otherwise the checked
+    path runs. Never raises before the merge.
+    """
+    fast, layer = view.layer.fast, view.layer
+    if fast is None or fast.signature is not agreed.signature or fast.merger is not agreed.merger:
+        return None
+    step = agreed.fast
+    if step is None:
+        step = agreed.fast = _step_fast(agreed, view, mask, query)
+    buffers = layer._buffers
+    if (
+        step is False
+        or mask is not step.mask
+        or key is not buffers[3]
+        or value is not buffers[4]
+        or view.error is not None
+        or layer.length != step.length
+        or key.shape[2] != step.t
+        or query.shape != fast.q_shape
+        or query.stride() != fast.q_stride
+        or query.dtype != torch.float32
+        or not query.is_cpu
+        or query.is_neg()
+        or scaling != fast.scaling
+        or torch.is_grad_enabled()
+    ):
+        return None
+    bound = fast.bound
+    call = bound.call
+    call.q, call.t = query.data_ptr(), step.t
+    if fast.vis != step.vis:  # usually 0 (every key visible) step after step
+        call.vis, call.vis_heads, fast.vis = step.vis, step.vis_heads, step.vis
+    agreed.merger.merge(bound)
+    out, address = step.output(fast.out_shape, layer.sharding.layers)
+    bound.finish(address)
+    return out
+
+
 @extend.entry_point
 def attention_interface(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
     """Attend over every rank's shard (transformers' ``AttentionInterface`` entry).
@@ -413,8 +607,9 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
         return out.transpose(1, 2).contiguous(), None
     view.error = view.error or error
     sharding = view.layer.sharding
-    signature = _signature(query, key, value, scaling, sharding, view.sharded)
+    signature = None
     if sharding.agreed is None:  # the step's first attention call: every rank is here
+        signature = _signature(query, key, value, scaling, sharding, view.sharded)
         positions = _step_positions(kw, int(query.shape[0]), int(query.shape[2]))
         try:
             sharding.agreed = _agree_step(
@@ -423,13 +618,20 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
         except Exception:
             view.layer.rollback(view)  # a failed step leaves the cache as it was
             raise
-    step = LayerStep(view, query, key, value, attention_mask, sharding.agreed, signature)
+    agreed = sharding.agreed
+    out = _fast_attention(view, query, key, value, attention_mask, scaling, agreed)
+    if out is not None:
+        return out, None
+    if signature is None:
+        signature = _signature(query, key, value, scaling, sharding, view.sharded)
+    step = LayerStep(view, query, key, value, attention_mask, agreed, signature)
     if view.sharded:
         return sharded_attention(query, step).transpose(1, 2).contiguous(), None
     if sharding.invariant:
         records = _invariant_records(step, sharding)
     else:
-        records = sharding.agreed.merger.merge(step).reshape(*query.shape[:3], -1)
+        records = agreed.merger.merge(step).reshape(*query.shape[:3], -1)
+        _rebind(view, query, key, value, scaling, signature, agreed)
     return extend.finish(records, query, layout="bshd", inputs=(query, key, value)), None
 
 

@@ -38,6 +38,9 @@ class Sharding:
     captured: list | None = None
     # (facts, signature) of the last attention call: layers reuse one signature dict
     signature_memo: tuple | None = None
+    # (index, device, tensor [index]) of the last decode step's token: every layer's
+    token_memo: tuple | None = None
+    layers: int = 0  # the cache's layer count: a step's outputs are allocated together
 
     def __post_init__(self):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
@@ -48,6 +51,13 @@ class Sharding:
         twin.pending = twin.agreed = twin.captured = None
         twin.history = copy.deepcopy(self.history, memo)
         return twin
+
+    def token(self, idx, device):
+        """Return the int64 tensor ``[idx]`` on ``device``, one for every layer of a decode step."""
+        memo = self.token_memo
+        if memo is None or memo[0] != idx or memo[1] != device:
+            memo = self.token_memo = (idx, device, torch.tensor([idx], device=device))
+        return memo[2]
 
     def refed(self, positions, before):
         """Return whether a step at ``positions`` ``(B, Sq)`` stays within ``before`` cached tokens.
@@ -180,6 +190,9 @@ class ShardedLayer(CacheLayerMixin):
         self.prompt = 0  # tokens of the first step ("last" placement splits them evenly)
         self.positions = torch.empty(0, dtype=torch.long)
         self.kernel = extend.KernelSlot()  # this layer's bound kernel arguments, step to step
+        # the attention's one-call decode step over this layer's buffers (None: unbound); see
+        # _attention._fast_attention. Dropped whenever the buffers are replaced.
+        self.fast = None
 
     def lazy_initialization(self, key_states, value_states):
         """Create empty shards with the states' batch, heads, dim, dtype and device."""
@@ -225,11 +238,12 @@ class ShardedLayer(CacheLayerMixin):
             stop, self.prompt = step.total, step.total
             queries, owned = step.queries, step.mine
             take = None
-        elif new == 1 and self.length:  # a decode step: one token, one owner
-            stop = self.length + 1
-            queries = torch.tensor([self.length])
-            mine = self.sharding.owner(self.length, self.prompt) == self.sharding.rank
-            owned, take = (queries, None) if mine else (queries[:0], None)
+        elif new == 1 and start:  # a decode step: one token, one owner, no index tensors
+            queries = self.sharding.token(start, self.device)
+            if self.sharding.owner(start, self.prompt) == self.sharding.rank:
+                self._append(key_states, value_states, queries)
+            self.length = start + 1
+            return View(self.keys, self, queries, False, start)
         else:
             stop = self.length + new
             if self.length == 0:
@@ -266,6 +280,7 @@ class ShardedLayer(CacheLayerMixin):
                 x.new_empty(*x.shape[:2], room, x.shape[3]) for x in (self.keys, self.values)
             )
             buffers = (keys, values, self.positions.new_empty(room))
+            self.fast = None  # bound to the old buffers
             for x, buf in zip((self.keys, self.values, self.positions), buffers, strict=True):
                 buf.narrow(-2 if x.dim() > 1 else 0, 0, n).copy_(x)
         kb, vb, pb = buffers[:3]
@@ -303,32 +318,40 @@ class ShardedLayer(CacheLayerMixin):
         keep = self.positions < self.length
         count = int(keep.sum())
         if bool(keep[:count].all()):  # the usual case (positions ascend): views, no copy
+            buffers = getattr(self, "_buffers", None)
+            whole = buffers is not None and self.keys is buffers[3] and self.values is buffers[4]
             self.keys, self.values = self.keys[:, :, :count], self.values[:, :, :count]
             self.positions = self.positions[:count]
+            if whole and self.positions.data_ptr() == buffers[2].data_ptr():
+                # still prefixes of the append buffers: a bound decode step stays bound
+                self._buffers = (*buffers[:3], self.keys, self.values, self.positions)
         else:
             self.keys, self.values = self.keys[:, :, keep], self.values[:, :, keep]
             self.positions = self.positions[keep]
 
     def reset(self):
         """Forget every token."""
-        self.keys = self.values = self._buffers = None
+        self.keys = self.values = self._buffers = self.fast = None
         self.is_initialized = False
         self.length = self.prompt = 0
         self.positions = torch.empty(0, dtype=torch.long)
 
     def batch_repeat_interleave(self, repeats):
         """Repeat each batch row of this shard ``repeats`` times, next to it (beam expansion)."""
+        self.fast = None
         if self.is_initialized:  # an empty shard too: its batch must follow the other ranks'
             self.keys = self.keys.repeat_interleave(repeats, dim=0)
             self.values = self.values.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices):
         """Keep the batch rows ``indices`` of this rank's shard, in that order."""
+        self.fast = None
         if self.is_initialized:
             self.keys, self.values = self.keys[indices, ...], self.values[indices, ...]
 
     def reorder_cache(self, beam_idx):
         """Reorder the batch rows of this rank's shard as ``beam_idx`` says (beam search)."""
+        self.fast = None
         if self.is_initialized:
             self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
             self.values = self.values.index_select(0, beam_idx.to(self.values.device))
@@ -436,6 +459,7 @@ class ShardedCache(Cache):
         layers = int(getattr(config, "num_hidden_layers", 0) or 0) if config is not None else 0
         self.sharding = Sharding(comm, placement, size, opts.strategy, opts.deterministic)
         super().__init__(layers=[ShardedLayer(self.sharding) for _ in range(layers)])
+        self.sharding.layers = layers
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Store this rank's share of the new K/V for ``layer_idx``; return the shard."""
@@ -445,6 +469,7 @@ class ShardedCache(Cache):
             self.sharding.captured.append((key_states, value_states))
         while len(self.layers) <= layer_idx:
             self.layers.append(ShardedLayer(self.sharding))
+            self.sharding.layers = len(self.layers)
         return self.layers[layer_idx].update(key_states, value_states)
 
     def crop(self, tokens_to_remove):

@@ -1,0 +1,252 @@
+"""A decode layer's one compiled call each side of its merge (``_attention._fast_attention``).
+
+Once a layer's checked step has succeeded, later steps that repeat its layout run
+the bound kernel inside the merge and write the output in one call each. These
+tests hold that path to the checked one bit for bit, and to its guarantees: a rank
+that diverges raises on every rank, NaN stays NaN, copies and crops stay exact.
+"""
+
+import copy
+
+import mpitree.adapters.transformers as mtt
+import pytest
+import torch
+from helpers import world
+from models import greedy, prompt, tiny_llama
+from mpitree.adapters.transformers import _attention
+
+from mpitree import _kernel
+from mpitree.extend import RankError
+
+NEW_TOKENS = 8
+
+
+def counting(monkeypatch):
+    """Count the one-call path's kernel runs."""
+    runs = []
+    real = _kernel.BoundLayer.fill
+    monkeypatch.setattr(_kernel.BoundLayer, "fill", lambda self, r: runs.append(1) or real(self, r))
+    return runs
+
+
+def decode(model, ids, mask, cache, steps):
+    """Greedy ``generate`` of ``steps`` tokens from a cache holding the prompt but its last token.
+
+    Returns the tokens and the per-step logits ``(B, steps, vocab)``. Without a mask,
+    every token is real (generate would take a generated pad id for padding).
+    """
+    out = greedy(model, ids, torch.ones_like(ids) if mask is None else mask, cache, steps)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def prefilled(model, ids, mask, placement):
+    cache = mtt.ShardedCache(model.config, placement=placement, block_size=2)
+    mtt.prefill(model, ids[:, :-1], cache, attention_mask=None if mask is None else mask[:, :-1])
+    return cache
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parametrize("placement", mtt.PLACEMENTS)
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_one_call_path_gives_the_checked_paths_bits(monkeypatch, placement, padded):
+    """Same logits, bit for bit, with and without the one-call path; tokens as eager's.
+
+    Left padding gives the decode steps a visibility the kernel reads (on the ranks
+    holding padded keys).
+    """
+    model = tiny_llama(layers=3)
+    ids, mask = prompt(21, padded)
+    model.set_attn_implementation("eager")
+    ref = greedy(model, ids, mask, None, NEW_TOKENS)
+    model.set_attn_implementation("mpitree")
+    runs = counting(monkeypatch)
+    cache = prefilled(model, ids, mask, placement)
+    tokens, logits = decode(model, ids, mask, cache, NEW_TOKENS)
+    assert len(runs) >= (NEW_TOKENS - 1) * 3, len(runs)  # each layer after its checked step
+    assert torch.equal(tokens, ref.sequences)
+    with monkeypatch.context() as checked:
+        checked.setattr(_attention, "_fast_attention", lambda *a: None)
+        again = prefilled(model, ids, mask, placement)
+        tokens2, logits2 = decode(model, ids, mask, again, NEW_TOKENS)
+    assert torch.equal(tokens2, tokens) and torch.equal(logits2, logits)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_copied_and_cropped_caches_decode_as_the_original(monkeypatch):
+    """A deepcopy starts unbound (its buffers are others); a crop keeps the binding, exactly."""
+    model = tiny_llama()
+    model.set_attn_implementation("mpitree")
+    ids, _ = prompt(17, False)
+    cache = prefilled(model, ids, None, "interleave")
+    tokens, _ = decode(model, ids, None, cache, 3)  # the cache holds all but the last token
+    assert all(layer.fast is not None for layer in cache.layers)
+    twin = copy.deepcopy(cache)
+    assert all(layer.fast is None for layer in twin.layers)
+    _, a = decode(model, tokens, None, cache, 3)
+    _, b = decode(model, tokens, None, twin, 3)
+    assert torch.equal(a, b)
+    cache.crop(-3)  # back to `tokens` but its last: the next steps overwrite the dropped room
+    runs = counting(monkeypatch)
+    _, c = decode(model, tokens, None, cache, 3)
+    assert torch.equal(c, a) and runs
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_decode_steps_build_nothing_and_share_one_merger(monkeypatch):
+    """After the first steps, no merger and no binding is built; one merger serves every layer."""
+    from mpitree import _merger
+
+    model = tiny_llama(layers=3)
+    model.set_attn_implementation("mpitree")
+    ids, _ = prompt(17, False)
+    cache = prefilled(model, ids, None, "interleave")
+    tokens, _ = decode(model, ids, None, cache, 2)
+    mergers = {id(layer.fast.merger) for layer in cache.layers}
+    buffers = [layer.fast.merger.records.ctypes.data for layer in cache.layers]
+    built = []
+    for cls in (_merger.Merger, _kernel.BoundLayer):
+        real = cls.__init__
+        monkeypatch.setattr(cls, "__init__", lambda *a, real=real: built.append(a) or real(*a))
+    runs = counting(monkeypatch)
+    decode(model, tokens, None, cache, 4)
+    assert not built and len(runs) == 4 * 3, (built, len(runs))  # one call per layer and step
+    assert len(mergers) == 1 and {id(layer.fast.merger) for layer in cache.layers} == mergers
+    assert [layer.fast.merger.records.ctypes.data for layer in cache.layers] == buffers
+
+
+STEPS = 6  # one token a step, blocks of 2: at p = 3 the last rank's keys start at step 4
+
+
+def by_hand(q_of, scaling_of=lambda step, layer: None, mask_of=lambda step: None, nan_at=None):
+    """Model steps by hand over two layers; return the outputs and the new values.
+
+    ``q_of(step, layer)`` is the query, ``mask_of(step)`` the step's mask (every
+    layer's), ``nan_at`` the step whose new key of kv head 0 is NaN.
+    """
+    torch.manual_seed(0)
+    cache = mtt.ShardedCache(tiny_llama().config, block_size=2)
+    outs, values_in = [], []
+    for step in range(STEPS):
+        mask = mask_of(step)
+        for layer in range(2):
+            k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+            if step == nan_at:
+                k[0, 0, 0, 5] = float("nan")
+            keys, values = cache.update(k, v, layer)
+            with torch.no_grad():
+                out, _ = mtt.attention_interface(
+                    None, q_of(step, layer), keys, values, mask, scaling_of(step, layer)
+                )
+            outs.append(out)
+            values_in.append(v)
+    return outs, values_in
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("change", ["scaling", "query shape"])
+def test_a_later_layer_diverging_on_one_rank_raises_on_every_rank(change):
+    """The bound ranks run their one call into the merge; the odd rank's checks fail there."""
+    comm = world()
+    q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(1))
+    bad = comm.rank == comm.size - 1
+
+    def odd(step, layer):
+        return bad and step == STEPS - 1 and layer == 1
+
+    def q_of(step, layer):
+        return q[:, :2] if change == "query shape" and odd(step, layer) else q
+
+    def scaling_of(step, layer):
+        return 0.5 if change == "scaling" and odd(step, layer) else None
+
+    with pytest.raises(ValueError) as info:
+        by_hand(q_of, scaling_of)[0]
+    if not bad:
+        assert isinstance(info.value, RankError)
+    assert "differs from the step's first layer" in str(info.value)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_nan_in_the_query_stays_nan_on_the_one_call_path(monkeypatch):
+    """A NaN query row gives a NaN output row (never a number); other rows are untouched."""
+    q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(1))
+    nan = q.clone()
+    nan[0, 1, 0, 3] = float("nan")
+
+    def q_of(step, layer):
+        return nan if step == STEPS - 1 and layer == 1 else q
+
+    runs = counting(monkeypatch)
+    out = by_hand(q_of)[0][-1]  # (B, Sq, Hq, D)
+    assert runs
+    assert torch.isnan(out[0, 0, 1]).all() and torch.isfinite(out[0, 0, [0, 2, 3]]).all()
+    monkeypatch.setattr(_attention, "_fast_attention", lambda *a: None)
+    checked = by_hand(q_of)[0][-1]
+    torch.testing.assert_close(out, checked, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_a_nan_key_poisons_its_heads_on_every_rank_on_the_one_call_path(monkeypatch):
+    """A NaN in one visible key of kv head 0: its query heads NaN on every rank, others not."""
+    q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(1))
+    runs = counting(monkeypatch)
+    outs, _ = by_hand(lambda step, layer: q, nan_at=1)
+    assert runs
+    for out in outs[2:]:  # (B, Sq, Hq, D): heads 0 and 1 read kv head 0
+        assert torch.isnan(out[0, 0, :2]).all() and torch.isfinite(out[0, 0, 2:]).all()
+    monkeypatch.setattr(_attention, "_fast_attention", lambda *a: None)
+    checked, _ = by_hand(lambda step, layer: q, nan_at=1)
+    for a, b in zip(outs, checked, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_a_bound_shard_whose_every_key_is_masked_adds_nothing(monkeypatch):
+    """A mask showing only the step's own token: elsewhere ``m = -inf``, no NaN, output = v."""
+    q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(1))
+
+    def newest_only(step):
+        mask = torch.zeros(1, 1, 1, step + 1, dtype=torch.bool)
+        mask[..., step] = True
+        return mask
+
+    runs = counting(monkeypatch)
+    outs, values = by_hand(lambda step, layer: q, mask_of=newest_only)
+    assert len(runs) >= 2, len(runs)  # the last step on every rank (p = 3: rank 2 from step 5)
+    for out, v in zip(outs, values, strict=True):
+        assert torch.equal(out[0, 0], v[0, :, 0].repeat_interleave(2, 0))
+
+
+def poison(x, index):
+    """Write NaN, +Inf and -Inf in turn into ``x[:, :, index]`` (``index``: key slots)."""
+    junk = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    shape = (*x.shape[:2], len(index), x.shape[3])
+    x[:, :, index] = junk[torch.arange(torch.Size(shape).numel()) % 3].reshape(shape)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parametrize("placement", mtt.PLACEMENTS)
+def test_garbage_in_spare_room_and_padding_keys_contributes_nothing(monkeypatch, placement):
+    """NaN/Inf in the buffers' spare room and in row 1's padding keys: the same bits.
+
+    Row 1 is left-padded by 5: its padding keys are hidden by the step's visibility,
+    which the bound kernel reads on the ranks that hold them.
+    """
+    model = tiny_llama()
+    model.set_attn_implementation("mpitree")
+    ids, mask = prompt(21, True)
+    clean = prefilled(model, ids, mask, placement)
+    tokens, _ = decode(model, ids, mask, clean, 2)  # the cache holds all but the last token
+    mask = torch.cat([mask, torch.ones_like(tokens[:, ids.shape[1] :])], 1)
+    dirty = copy.deepcopy(clean)  # unbound: its first step binds it
+    for layer in dirty.layers:
+        keys, values = layer._buffers[:2]
+        n = layer.keys.shape[2]
+        for x in (keys, values):
+            poison(x, torch.arange(n, x.shape[2]))
+            poison(x[1:], (layer.positions < 5).nonzero()[:, 0])
+    _, want = decode(model, tokens, mask, clean, 4)
+    runs = counting(monkeypatch)
+    _, got = decode(model, tokens, mask, dirty, 4)
+    assert torch.isfinite(want).all() and torch.equal(got, want)
+    assert len(runs) >= 3 * len(dirty.layers), len(runs)  # every layer after its checked step
