@@ -101,7 +101,7 @@ def main():
     if comm.size == 1:
         model.set_attn_implementation("sdpa")
         with torch.no_grad():
-            dynamic = model(ids, use_cache=True).past_key_values
+            dynamic = model(ids, use_cache=True).cache
     funcs = transformers.AttentionInterface._global_mapping
     funcs["mpitree"] = timed("mpitree call", funcs["mpitree"])
     funcs["sdpa"] = timed("sdpa call", funcs["sdpa"])
@@ -120,7 +120,7 @@ def main():
         model.set_attn_implementation(impl)
         start = time.perf_counter()
         with torch.no_grad():
-            model(input_ids=tok, past_key_values=c, use_cache=True)
+            model(input_ids=tok, cache=c, use_cache=True)
         TIMES[f"{impl} step"].append(time.perf_counter() - start)
 
     runs = [("mpitree", cache)] + ([("sdpa", dynamic)] if dynamic is not None else [])

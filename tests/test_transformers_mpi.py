@@ -109,7 +109,7 @@ def test_packed_tree_verification_equals_each_candidate_alone():
     cache = mtt.ShardedCache(model.config, block_size=4)
     model.set_attn_implementation("mpitree")
     with torch.no_grad():
-        model(ids, attention_mask=mask, position_ids=positions(mask), past_key_values=cache)
+        model(ids, attention_mask=mask, position_ids=positions(mask), cache=cache)
     beam = torch.from_numpy(np.random.default_rng(3).integers(1, 4, (2, 5, 4)))
     packed = spec.pack(beam, padding_mask=mask.bool())
     before = [(x.positions.clone(), x.keys.clone()) for x in cache.layers]
@@ -139,7 +139,7 @@ def test_packed_tree_verification_equals_each_candidate_alone():
     model.set_attn_implementation("mpitree")
     with torch.no_grad():
         step = model(
-            nxt, attention_mask=full, position_ids=positions(full)[:, -1:], past_key_values=cache
+            nxt, attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache
         ).logits
         model.set_attn_implementation("eager")
         whole = model(torch.cat([ids, nxt], 1), attention_mask=full, position_ids=positions(full))
@@ -179,11 +179,11 @@ def test_ranks_diverging_mid_generation_raise_on_every_rank():
     cache = mtt.ShardedCache(model.config, block_size=4, strategy="allreduce")
     model.set_attn_implementation("mpitree")
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
         if world().rank == 0:
             cache.strategy = "ring"
         with pytest.raises(ValueError, match="ranks disagree on strategy"):
-            model(ids[:, :1], past_key_values=cache)
+            model(ids[:, :1], cache=cache)
 
 
 def eager_prefix(model, ids, mask):
@@ -192,7 +192,7 @@ def eager_prefix(model, ids, mask):
     cache = transformers.DynamicCache(config=model.config)
     pos = None if mask is None else positions(mask)
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits
+        logits = model(ids, attention_mask=mask, position_ids=pos, cache=cache).logits
     return cache, logits[:, -1]
 
 
@@ -279,7 +279,7 @@ def generate_beams(model, ids, mask, impl, cache, beams):
         return model.generate(
             ids,
             attention_mask=mask,
-            past_key_values=cache,
+            cache=cache,
             max_new_tokens=6,
             do_sample=False,
             pad_token_id=0,
@@ -363,10 +363,10 @@ def test_a_rank_without_the_sharded_cache_raises_on_every_rank(bad_rank):
     cache = mtt.ShardedCache(model.config, block_size=4)
     bad = world().rank == (0 if bad_rank == "first" else world().size - 1)
     with torch.no_grad(), pytest.raises(ValueError, match="ranks disagree on cache"):
-        model(ids, past_key_values=None if bad else cache, use_cache=not bad)
+        model(ids, cache=None if bad else cache, use_cache=not bad)
     assert cache.get_seq_length() == 0  # the failed step left the cache empty
     with torch.no_grad():  # the communicator still works: the same step, now on every rank
-        got = model(ids, past_key_values=cache).logits
+        got = model(ids, cache=cache).logits
     model.set_attn_implementation("eager")
     with torch.no_grad():
         assert_allclose(got.numpy(), model(ids).logits.numpy(), atol=1e-5, rtol=0)
@@ -409,14 +409,14 @@ def test_decode_steps_append_in_place_and_stay_exact(placement):
     tokens, storages = ids, set()
     for _ in range(NEW_TOKENS):
         with torch.no_grad():
-            logits = model(tokens[:, -1:], past_key_values=cache).logits[:, -1]
+            logits = model(tokens[:, -1:], cache=cache).logits[:, -1]
         tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
         storages.add(cache.layers[0].keys.untyped_storage().data_ptr())
     assert torch.equal(tokens, ref.sequences)
     assert len(storages) == 1  # one buffer for every step (its room: 256 tokens)
     cache.crop(-3)  # a crop keeps the buffer too; the next step overwrites the dropped room
     with torch.no_grad():
-        model(tokens[:, -3:-2], past_key_values=cache)
+        model(tokens[:, -3:-2], cache=cache)
     assert cache.layers[0].keys.untyped_storage().data_ptr() in storages
 
 
@@ -440,7 +440,7 @@ def test_decode_layers_reuse_their_bound_kernel_arguments(monkeypatch):
     tokens = ids
     for _ in range(NEW_TOKENS):
         with torch.no_grad():
-            logits = model(tokens[:, -1:], past_key_values=cache).logits[:, -1]
+            logits = model(tokens[:, -1:], cache=cache).logits[:, -1]
         tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
     assert torch.equal(tokens, ref.sequences)
     layers = len(cache.layers)  # every rank holds prompt keys: prefill's last step binds
@@ -476,14 +476,14 @@ def test_mask_check_does_not_depend_on_placement(placement, length):
     cache = mtt.ShardedCache(model.config, block_size=4, placement=placement)
     bad = torch.ones(2, 2, length, length, dtype=torch.bool).tril()
     with torch.no_grad(), pytest.raises(ValueError, match="4-D attention_mask must be"):
-        model(ids, past_key_values=cache, attention_mask=bad)
+        model(ids, cache=cache, attention_mask=bad)
     with torch.no_grad():  # the prompt again, then a decode step with a bad mask
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
         step = torch.ones(2, 2, 1, length + 1, dtype=torch.bool)
         with pytest.raises(ValueError, match="4-D attention_mask must be"):
-            model(ids[:, :1], past_key_values=cache, attention_mask=step)
+            model(ids[:, :1], cache=cache, attention_mask=step)
         good = torch.ones(2, 1, 1, length + 1, dtype=torch.bool)
-        model(ids[:, :1], past_key_values=cache, attention_mask=good)  # still usable
+        model(ids[:, :1], cache=cache, attention_mask=good)  # still usable
 
 
 @pytest.mark.parallel(nprocs=[1, 2])
@@ -499,7 +499,7 @@ def test_cache_tensors_save_and_keep_no_layer_alive(tmp_path):
     ids, _ = prompt(9, False)
     cache = mtt.ShardedCache(model.config, block_size=4)
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
     keys, values = cache.layers[0].keys, cache.layers[0].values
     assert not keys.__dict__ and not values.__dict__  # nothing attached
     buf = io.BytesIO()

@@ -309,10 +309,10 @@ def _refeed_error(view, positions):
     return ValueError(
         f"in no batch row does this step (position ids up to {int(positions.max())}) go past "
         f"the {view.start} tokens the ShardedCache already holds: they would be cached "
-        "twice. generate(input_ids, past_key_values=cache) re-runs the whole prompt "
+        "twice. generate(input_ids, cache=cache) re-runs the whole prompt "
         "when the cache already holds every token of input_ids; the cache must hold a strict "
         "prefix, e.g. mtt.prefill(model, input_ids[:, :-1], cache, attention_mask="
-        "mask[:, :-1]) then generate(input_ids, attention_mask=mask, past_key_values=cache), "
+        "mask[:, :-1]) then generate(input_ids, attention_mask=mask, cache=cache), "
         "or append the next token (prefill's logits) to input_ids"
     )
 
