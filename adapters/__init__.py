@@ -5,6 +5,8 @@
   (contiguous or paged KV cache), merged by the tree.
 - ``mpitree.adapters.cupy``: :func:`tree_decode` for CuPy arrays (cuBLAS local
   attention; the small per-row states are merged through the host).
+- ``mpitree.adapters.jax``: :func:`tree_decode` usable inside ``jax.jit`` and
+  differentiable by ``jax.grad`` (the merge is an ordered host callback).
 - ``mpitree.adapters.transformers``: ``attn_implementation="mpitree"`` and a
   ``ShardedCache`` for Hugging Face models.
 

@@ -14,6 +14,7 @@ HINTS = {
     ),
     "cupy": "CuPy: pip install -e '.[cupy]' from the checkout (needs a CUDA 12 GPU)",
     "flash_attn": "flash-attn: pip install -e '.[flash-attn]' from the checkout (needs a CUDA GPU)",
+    "jax": "JAX: pip install -e '.[jax]' from the checkout (CPU jaxlib)",
 }
 
 

@@ -282,6 +282,34 @@ def flash_attn_cases():
     }
 
 
+def jax_cases():
+    """mpitree.adapters.jax.tree_decode, eagerly (inside jax.jit: tests/test_jax_adapter_mpi.py)."""
+    import jax.numpy as jnp
+
+    def call(bad, **change):
+        q, k, v = (jnp.asarray(x) for x in arrays())
+        kw = dict(q=q, k=k, v=v)
+        if bad:
+            kw.update(change)
+        importlib.import_module("mpitree.adapters.jax").tree_decode(**kw)
+
+    return {
+        "q heads": lambda bad: call(bad, q=jnp.asarray(arrays(hq=8)[0])),
+        "dtype": lambda bad: call(bad, q=jnp.asarray(arrays()[0], jnp.float16)),
+        "kv heads not a multiple": lambda bad: call(
+            bad, k=jnp.asarray(arrays(hkv=3)[1]), v=jnp.asarray(arrays(hkv=3)[2])
+        ),
+        "kv_len too long": lambda bad: call(bad, kv_len=jnp.array([2, 9])),
+        "kv_len floats": lambda bad: call(bad, kv_len=jnp.array([2.0, 3.0])),
+        "positions alone": lambda bad: call(bad, q_pos=jnp.zeros((2, 1), int)),
+        "mask shape": lambda bad: call(bad, mask=jnp.ones((2, 3, 1, 5), bool)),
+        "strategy ring": lambda bad: call(bad, strategy="ring"),
+        "scale differs": lambda bad: call(bad, scale=0.5),
+        "list, not an array": lambda bad: call(bad, q=arrays()[0].tolist()),
+        "torch tensor": lambda bad: call(bad, k=torch.from_numpy(arrays()[1])),
+    }
+
+
 _MODEL = {}
 
 
@@ -529,6 +557,7 @@ CATALOGUE = {
     "mpitree.energy.attention_variance": lambda: energy_cases(energy.attention_variance),
     "mpitree.spec.verify_attention": verify_attention_cases,
     "mpitree.adapters.flash_attn.tree_decode": flash_attn_cases,
+    "mpitree.adapters.jax._host_step": jax_cases,
     "mpitree.adapters.transformers._cache.ShardedCache.__init__": cache_init_cases,
     "mpitree.adapters.transformers._attention.attention_interface": attention_cases,
     "mpitree.adapters.transformers._prefill.prefill": prefill_cases,
@@ -536,8 +565,9 @@ CATALOGUE = {
     "mpitree.adapters.transformers._generate.generate": generate_cases,
 }
 # Every communicating entry point of every module; the torch and CuPy adapters
-# re-export the core's (their own functions do not communicate).
-ADAPTERS = ["torch", "cupy", "flash_attn", "transformers"]
+# re-export the core's (their own functions do not communicate); the JAX adapter's
+# collectives run in its host step, called when a (jitted) tree_decode runs.
+ADAPTERS = ["torch", "cupy", "flash_attn", "transformers", "jax"]
 CASES = [(entry, case) for entry, make in CATALOGUE.items() for case in make()]
 
 

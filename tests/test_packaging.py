@@ -20,7 +20,7 @@ class Block:
             raise ImportError("blocked: " + name)
 sys.meta_path.insert(0, Block())
 import mpitree, mpitree.adapters
-print(sorted(m for m in ("torch", "cupy", "flash_attn") if m in sys.modules))
+print(sorted(m for m in ("torch", "cupy", "flash_attn", "jax") if m in sys.modules))
 """
 
 

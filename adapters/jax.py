@@ -1,0 +1,422 @@
+"""mpitree for JAX: a tree decode usable inside ``jax.jit`` and differentiable by ``jax.grad``.
+
+:func:`tree_decode` computes this shard's partial state ``(m, d, n)`` in the
+traced program (XLA: grouped matmuls, float32 accumulation, no repeated K/V),
+then leaves the compiled program once for the merge: an ordered
+``jax.experimental.io_callback`` runs mpitree's guarded step on the host (the
+agreement collective, then the shared merger's one ``MPI_Allreduce`` with the
+native op), exactly once per call and in program order on every rank. Its
+gradient (``jax.custom_vjp``) needs the merged log-sum-exp, which the forward
+keeps, and one more collective: the query's gradient is the sum over every
+rank's keys, merged the same guarded way; the keys' and values' gradients stay
+local to their shard.
+
+Shape and dtype checks run when the function is traced, on each rank; their
+verdict, and the value checks made in the compiled program (``kv_len`` in
+range), ride in the agreement when the program runs, so bad input on one rank
+raises on every rank. Eagerly (no tracing) the exception is the core's:
+the bad rank's own ``TypeError``/``ValueError``, :class:`mpitree.RankError`
+elsewhere. Inside ``jax.jit`` JAX reports the same exception as a
+``jax.errors.JaxRuntimeError`` (a ``RuntimeError``) whose message ends with it.
+
+The merge callbacks run on the thread XLA executes the program on: do not run
+other collectives on the same communicator from another thread while a
+dispatched step is in flight (``block_until_ready()`` it first). ``jax.vmap``
+is not supported (an ordered callback has no batching rule): give the batch
+as the ``B`` axis.
+
+Importing this module imports JAX; ``import mpitree`` never does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._hint import missing
+
+try:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import io_callback
+except ImportError as exc:  # pragma: no cover - exercised only without JAX
+    raise missing("mpitree.adapters.jax", "jax", exc) from exc
+
+from mpitree import extend
+
+__all__ = ["tree_decode"]
+
+MERGING = ("auto", "allreduce", "allreduce3", "allgather", "hierarchical")
+
+
+@dataclass(frozen=True, eq=False)
+class _Step:
+    """One call's static facts, fixed when it is traced: what its collectives agree on."""
+
+    comm: object
+    problem: object = None  # extend.Problem; None when the local checks failed
+    opts: object = None  # extend.Options
+    t: int = 0  # this shard's length
+    error: Exception | None = None  # the local checks' verdict
+
+    def call(self, phase, flag):
+        """Return the agreement's Call for ``phase``; raise this rank's error."""
+        if self.error is not None:
+            raise self.error
+        if flag:
+            raise ValueError(f"kv_len must lie in [0, {self.t}] (this shard's length)")
+        p, o = self.problem, self.opts
+        sig = {"phase": phase, **p.signature(), **o.signature()}
+        op = extend.op_needed(o.strategy, False, p.acc, p.head_dim)
+        return extend.Call(sig, op=op, key=(phase, p, o, o.scale.hex()))
+
+
+@extend.entry_point
+def _host_step(step, phase, records, flag):
+    """Run one call's collectives on the host: agree on ``step``, merge ``records``.
+
+    ``phase`` "forward" merges ``(B, Hq, Sq, D + 2)`` states; "backward" sums
+    the query's gradient, laid out as records whose ``m`` is 0 (the merge's
+    weights are then 1). Returns the merged records, a new array.
+    """
+    comm = step.comm
+    call = extend.agree(comm, lambda: step.call(phase, int(np.asarray(flag))))
+    p, o = step.problem, step.opts
+    chosen = extend.resolve(o.strategy, comm, call.native, o.node_size)
+    merger = extend.merger_for(comm, p.rows, p.head_dim, p.acc, chosen, o.node_size)
+
+    def fill(out):
+        out[...] = np.asarray(records).reshape(out.shape)
+
+    return merger.merge(fill).reshape(np.shape(records)).copy()
+
+
+def _traced(*xs):
+    """Whether any of ``xs`` is a tracer (the call is being traced, not run eagerly)."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(xs))
+
+
+def _collective(step, phase, records, flag):
+    """Run :func:`_host_step`: as an ordered callback when traced, else directly.
+
+    Directly, after the ordered effects already dispatched (an earlier jitted
+    step's merge) have run: the collectives keep program order on every rank.
+    """
+    if _traced(records, flag):
+        shape = jax.ShapeDtypeStruct(records.shape, records.dtype)
+        host = functools.partial(_host_step, step, phase)
+        return io_callback(host, shape, records, flag, ordered=True)
+    jax.effects_barrier()
+    return jnp.asarray(_host_step(step, phase, np.asarray(records), np.asarray(flag)))
+
+
+# ----------------------------------------------------------------------------------------
+# local checks (trace time: shapes and dtypes only)
+# ----------------------------------------------------------------------------------------
+def _is_array(x):
+    """Whether ``x`` is a JAX array (or tracer) or a numpy array."""
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _check_qkv(q, k, v):
+    """Validate q ``(B, Hq, Sq, D)`` and k, v ``(B, Hkv, T, D)``; return (Problem, T)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not _is_array(x):
+            raise TypeError(
+                f"{name} must be a JAX array, got {type(x).__module__}.{type(x).__name__}"
+            )
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(x.shape)}")
+    names = {extend.dtype_name(x.dtype) for x in (q, k, v)}
+    if len(names) > 1:
+        raise TypeError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    b, hq, sq, d = (int(s) for s in q.shape)
+    _, hkv, t, dk = (int(s) for s in k.shape)
+    if int(k.shape[0]) != b or dk != d:
+        raise ValueError(
+            f"k/v must be (B, Hkv, T, D) with q (B, Hq, Sq, D): got k {tuple(k.shape)} for "
+            f"q {tuple(q.shape)} (batch or D differ)"
+        )
+    if min(b, hq, sq, d) == 0:
+        raise ValueError(f"q must have no empty dimension, got shape {tuple(q.shape)}")
+    if hkv == 0:
+        raise ValueError(f"q heads ({hq}) must be a positive multiple of kv heads ({hkv})")
+    return extend.Problem.of(b, hq, hkv, d, sq, names.pop()), t
+
+
+def _int_array(name, x, shape):
+    """Check an integer array of an exact shape; return it as a JAX array."""
+    if not _is_array(x) or np.dtype(x.dtype).kind not in "iu":
+        raise TypeError(f"{name} must be an integer array, got {getattr(x, 'dtype', type(x))}")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    return jnp.asarray(x)
+
+
+def _visibility(problem, t, kv_len, q_pos, k_pos, mask):
+    """Check masking arguments; return (lens ``(B,)`` or None, vis ``(B, Hm, Sq, T)`` or None)."""
+    b, sq = problem.batch, problem.q_len
+    lens = None if kv_len is None else _int_array("kv_len", kv_len, (b,))
+    if (q_pos is None) != (k_pos is None):
+        raise ValueError("q_pos and k_pos must be given together")
+    vis = None
+    if q_pos is not None:
+        q_pos, k_pos = _int_array("q_pos", q_pos, (b, sq)), _int_array("k_pos", k_pos, (b, t))
+        vis = (k_pos[:, None, :] <= q_pos[:, :, None])[:, None]
+    if mask is not None:
+        if not _is_array(mask) or np.dtype(mask.dtype).kind != "b":
+            raise TypeError("mask must be a boolean array (True = attend)")
+        full = (b, problem.q_heads, sq, t)
+        padded = (1,) * (4 - mask.ndim) + tuple(int(s) for s in mask.shape)
+        if mask.ndim > 4 or any(s not in (1, f) for s, f in zip(padded, full, strict=False)):
+            raise ValueError(f"mask of shape {tuple(mask.shape)} is not broadcastable to {full}")
+        m = jnp.asarray(mask).reshape(padded)
+        vis = m if vis is None else vis & m
+    if vis is not None:
+        vis = jnp.broadcast_to(vis, (b, vis.shape[1], sq, t))
+    return lens, vis
+
+
+# ----------------------------------------------------------------------------------------
+# local attention in the traced program
+# ----------------------------------------------------------------------------------------
+def _grouped_keep(p, t, lens, vis):
+    """Visibility in GQA-grouped layout ``(B, Hkv, G*Sq, T)`` (or broadcastable), or None."""
+    keep = vis
+    if lens is not None:
+        inside = (jnp.arange(t)[None, :] < lens[:, None])[:, None, None, :]
+        keep = inside if keep is None else keep & inside
+    if keep is None:
+        return None
+    g = p.q_heads // p.kv_heads
+    grouped = (p.kv_heads, g) if keep.shape[1] > 1 else (1, 1)
+    keep = keep.reshape(keep.shape[0], *grouped, keep.shape[2], t)
+    full = (p.batch, p.kv_heads, g, p.q_len, t)
+    return jnp.broadcast_to(keep, full).reshape(p.batch, p.kv_heads, g * p.q_len, t)
+
+
+def _grouped(p, x):
+    """``(B, Hq, Sq, ...)`` as ``(B, Hkv, G*Sq, ...)``."""
+    return x.reshape(p.batch, p.kv_heads, -1, *x.shape[3:])
+
+
+def _scores(p, scale, q, k, keep):
+    """Scaled logits ``(B, Hkv, G*Sq, T)`` in the accumulation dtype; -inf where not visible."""
+    s = (_grouped(p, q.astype(p.acc)) * scale) @ jnp.swapaxes(k.astype(p.acc), -1, -2)
+    return s if keep is None else jnp.where(keep, s, -jnp.inf)
+
+
+def _weighted(probs, v, keep):
+    """``probs @ v``: values of keys no row sees (NaN/Inf in unused slots) contribute nothing."""
+    if keep is None:
+        return probs @ v
+    finite = jnp.all(jnp.isfinite(v), axis=-1)  # (B, Hkv, T)
+    clean = probs @ jnp.where(finite[..., None], v, 0)
+    sees_bad = jnp.any(keep & ~finite[:, :, None, :], axis=-1)[..., None]
+    return jax.lax.cond(
+        jnp.any(sees_bad), lambda: jnp.where(sees_bad, probs @ v, clean), lambda: clean
+    )
+
+
+def _local_records(p, scale, t, q, k, v, keep):
+    """Return this shard's ``(B, Hq, Sq, D + 2)`` records ``[m, d, n]`` (accumulation dtype)."""
+    if t == 0:
+        empty = jnp.full((*p.row_shape, 1), -jnp.inf, p.acc)
+        return jnp.concatenate([empty, jnp.zeros((*p.row_shape, p.head_dim + 1), p.acc)], -1)
+    s = _scores(p, scale, q, k, keep)
+    m = jnp.max(s, axis=-1)
+    probs = jnp.exp(s - jnp.where(jnp.isneginf(m), 0, m)[..., None])
+    n = _weighted(probs, v.astype(p.acc), keep)
+    rec = jnp.concatenate([m[..., None], jnp.sum(probs, axis=-1)[..., None], n], -1)
+    return rec.reshape(*p.row_shape, p.head_dim + 2)
+
+
+def _finish(records):
+    """Return (output ``n / d``, 0 for empty rows; lse, -inf for empty rows) of merged records."""
+    m, d, n = records[..., 0], records[..., 1], records[..., 2:]
+    seen = d != 0
+    out = n / jnp.where(seen, d, 1)[..., None]
+    return out, jnp.where(seen, m + jnp.log(jnp.where(seen, d, 1)), -jnp.inf)
+
+
+# ----------------------------------------------------------------------------------------
+# the differentiable decode
+# ----------------------------------------------------------------------------------------
+def _forward(step, q, k, v, aux):
+    """Return the merged output ``(B, Hq, Sq, D)`` and lse ``(B, Hq, Sq)`` (accumulation dtype)."""
+    lens, vis, flag = aux
+    p, scale = step.problem, step.opts.scale
+    keep = _grouped_keep(p, step.t, lens, vis)
+    records = _local_records(p, scale, step.t, q, k, v, keep)
+    return _finish(_collective(step, "forward", records, flag))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _decode(step, q, k, v, aux):
+    """Return the decode as JAX sees it: (output in q's dtype, lse float32)."""
+    out, lse = _forward(step, q, k, v, aux)
+    return out.astype(q.dtype), lse.astype(jnp.float32)
+
+
+def _decode_fwd(step, q, k, v, aux):
+    """Forward rule: keep the merged output and lse (the backward's global facts)."""
+    out, lse = _forward(step, q, k, v, aux)
+    return (out.astype(q.dtype), lse.astype(jnp.float32)), (q, k, v, aux, out, lse)
+
+
+def _decode_bwd(step, residuals, cotangents):
+    """Backward rule: dK, dV from this shard; dq summed over every rank's keys.
+
+    With ``P = exp(S - L)`` (``L`` the merged lse) and ``O`` the merged output:
+    ``dV = P^T dO``, ``dS = P * (dO V^T - rowsum(dO * O) + dL)``,
+    ``dK = scale dS^T q`` and ``dq = scale sum_ranks dS K``.
+    """
+    q, k, v, aux, out, lse = residuals
+    lens, vis, flag = aux
+    p, scale = step.problem, step.opts.scale
+    dout, dlse = cotangents
+    keep = _grouped_keep(p, step.t, lens, vis)
+    do = _grouped(p, dout.astype(p.acc))
+    if step.t == 0:
+        dq_local = jnp.zeros_like(do)
+        dk, dv = jnp.zeros_like(k), jnp.zeros_like(v)
+    else:
+        big_l = _grouped(p, lse)[..., None]
+        s = _scores(p, scale, q, k, keep)
+        probs = jnp.where(jnp.isneginf(big_l), 0, jnp.exp(s - big_l))
+        vv, kk = v.astype(p.acc), k.astype(p.acc)
+        if keep is not None:  # unused slots may hold NaN/Inf: they get, and give, nothing
+            vv, kk = (jnp.where(jnp.isfinite(x), x, 0) for x in (vv, kk))
+        delta = jnp.sum(do * _grouped(p, out), axis=-1, keepdims=True)
+        ds = probs * (
+            do @ jnp.swapaxes(vv, -1, -2) - delta + _grouped(p, dlse.astype(p.acc))[..., None]
+        )
+        if keep is not None:
+            ds = jnp.where(keep, ds, 0)
+        dv = (jnp.swapaxes(probs, -1, -2) @ do).astype(v.dtype)
+        dk = (scale * jnp.swapaxes(ds, -1, -2) @ _grouped(p, q.astype(p.acc))).astype(k.dtype)
+        dq_local = scale * (ds @ kk)
+    zeros = jnp.zeros((*dq_local.shape[:-1], 2), p.acc)  # m = 0, d = 0: the merge sums n
+    rows = jnp.concatenate([zeros, dq_local], -1).reshape(*p.row_shape, -1)
+    summed = _collective(step, "backward", rows, flag)
+    dq = summed[..., 2:].reshape(q.shape).astype(q.dtype)
+    return dq, dk, dv, (None, None, None)
+
+
+_decode.defvjp(_decode_fwd, _decode_bwd)
+
+
+def _failed(step, traced, return_lse):
+    """Fail on every rank: the agreement runs (when traced: when the program runs) and raises.
+
+    Traced, the program still enters the agreement in its place in the order of
+    collectives; its outputs (never produced) are placeholders.
+    """
+    flag = jnp.zeros((), jnp.int32)
+    if not traced:
+        _collective(step, "forward", jnp.zeros((1, 3), jnp.float32), flag)
+        raise step.error  # pragma: no cover - the agreement raised on every rank
+    records = _collective(step, "forward", jnp.zeros((1, 3), jnp.float32) + flag, flag)
+    return (records, records[..., 0]) if return_lse else records
+
+
+def tree_decode(
+    q,
+    k,
+    v,
+    comm=None,
+    *,
+    scale=None,
+    kv_len=None,
+    q_pos=None,
+    k_pos=None,
+    mask=None,
+    strategy="auto",
+    return_lse=False,
+):
+    """Exact attention over a KV cache sharded along the sequence, inside or outside ``jax.jit``.
+
+    Collective over ``comm``: every rank passes the same ``q`` and its own shard
+    of keys and values, and every rank receives the attention output over all
+    shards, as one process would compute it. Differentiable with ``jax.grad``
+    (``q``, ``k``, ``v``): ``dq`` is summed over every rank's keys, ``dk`` and
+    ``dv`` are this shard's.
+
+    Parameters
+    ----------
+    q : jax.Array
+        ``(B, Hq, Sq, D)``, float16/bfloat16/float32/float64, identical on every rank.
+    k, v : jax.Array
+        ``(B, Hkv, T, D)``, same dtype: this rank's shard; ``T`` may differ between
+        ranks and may be 0. ``Hq % Hkv == 0`` (GQA: query head ``h`` uses kv head
+        ``h // (Hq // Hkv)``; K/V are never repeated).
+    comm : mpi4py.MPI.Intracomm, optional
+        Default: mpitree's private duplicate of ``COMM_WORLD``.
+    scale : float, optional
+        Logit scale, default ``1/sqrt(D)``. A Python number (it is agreed on).
+    kv_len : jax.Array, optional
+        int ``(B,)``: valid keys per batch row in this shard (keys at index
+        ``>= kv_len[b]`` are ignored); traced, so a decode loop over a
+        preallocated cache does not recompile as it fills.
+    q_pos, k_pos : jax.Array, optional
+        int ``(B, Sq)`` and ``(B, T)``: key j is visible to query i iff
+        ``k_pos[b, j] <= q_pos[b, i]``. Give both or neither.
+    mask : jax.Array, optional
+        bool, broadcastable to ``(B, Hq or 1, Sq, T)``; True = attend.
+    strategy : {"auto", "allreduce", "allreduce3", "allgather", "hierarchical"}, optional
+        As in :func:`mpitree.tree_decode` (``"ring"`` moves K/V and is not offered).
+    return_lse : bool, optional
+        Also return the log-sum-exp.
+
+    Returns
+    -------
+    out : jax.Array
+        ``(B, Hq, Sq, D)`` in q's dtype; 0 for rows that see no key on any rank.
+    lse : jax.Array
+        ``(B, Hq, Sq)``, float32, natural log; -inf for rows that see no key.
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    Exception
+        On every rank, when any rank's input is invalid or ranks disagree: eagerly
+        the core's exceptions; inside ``jax.jit`` a ``jax.errors.JaxRuntimeError``
+        that ends with them.
+
+    Notes
+    -----
+    Two collectives a call (the agreement and the merge), two more for the
+    backward. Accumulation is float32 (float64 for float64 inputs). Keys
+    excluded by ``kv_len``, positions or the mask contribute exactly nothing,
+    whatever their values, to the output and to every gradient.
+
+    Examples
+    --------
+    >>> step = jax.jit(lambda q, k, v, n: tree_decode(q, k, v, kv_len=n))  # doctest: +SKIP
+    """
+    comm = extend.check_comm(comm)
+    q, k, v = (jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in (q, k, v))
+    try:
+        problem, t = _check_qkv(q, k, v)
+        lens, vis = _visibility(problem, t, kv_len, q_pos, k_pos, mask)
+        opts = extend.Options.resolve(problem.head_dim, strategy, scale)
+        if opts.strategy not in MERGING:
+            raise ValueError(
+                f"strategy {opts.strategy!r} moves K/V between ranks; the JAX adapter merges "
+                f"states: use one of {MERGING}"
+            )
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
+    except Exception as exc:  # the verdict rides in the agreement, on every rank
+        traced = _traced(q, k, v, kv_len, q_pos, k_pos, mask)
+        return _failed(_Step(comm, error=exc), traced, return_lse is True)
+    step = _Step(comm, problem, opts, t)
+    flag = jnp.zeros((), jnp.int32)
+    if lens is not None:
+        flag = jnp.any((lens < 0) | (lens > t)).astype(jnp.int32)
+    out, lse = _decode(step, q, k, v, (lens, vis, flag))
+    return (out, lse) if return_lse else out
