@@ -398,6 +398,15 @@ class Cluster:
         stats = json.loads(out)[0]["stats64"]
         return stats["tx"]["bytes"], stats["rx"]["bytes"]
 
+    def cut_link(self, node):
+        """Take node ``node``'s (an index) link down, as if its cable were pulled.
+
+        Sets the node's end of its veth down; the bridge's end loses carrier, so
+        nothing crosses in either direction. Its processes run on, cut off (see
+        the user guide's "Faults" for what MPICH and hydra then do).
+        """
+        _ip("-n", self.names[node], "link", "set", f"mtn{node}-{self.tag}", "down")
+
     def kill_node(self, node, sig=signal.SIGKILL) -> list[int]:
         """Send ``sig`` to every process of node ``node`` (an index), as if the node died.
 

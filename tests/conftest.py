@@ -8,6 +8,9 @@ from mpi4py import MPI
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cluster: tests on an emulated cluster (they skip without root and ip netns)"
+    )
     if MPI.COMM_WORLD.size > 1 and MPI.COMM_WORLD.rank > 0 and os.environ.get("MPITREE_QUIET"):
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
@@ -31,13 +34,33 @@ def _cuda_device():
         return False
 
 
+def _cluster_host():
+    """Return why an emulated cluster cannot be made here (not root, no ``ip netns``), or ""."""
+    from mpitree.cluster import ClusterError, check_host
+
+    try:
+        check_host()
+    except ClusterError as exc:
+        return str(exc)
+    return ""
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tag ``cuda``-marked tests for the runner; skip them where no CUDA device is usable."""
-    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
-    if not cuda_items:
-        return
-    skip = None if _cuda_device() else pytest.mark.skip(reason="cuda-marked: no CUDA device")
-    for item in cuda_items:
-        item.user_properties.append(("marker", "cuda"))
-        if skip is not None:
-            item.add_marker(skip)
+    """Tag ``cuda``- and ``cluster``-marked tests for the runner; skip them where they cannot run.
+
+    ``cuda``: where no CUDA device is usable; ``cluster``: where network
+    namespaces cannot be made (not root, no ``ip netns``), with the reason.
+    """
+    for marker, why in (("cuda", _cuda_device), ("cluster", _cluster_host)):
+        marked = [item for item in items if item.get_closest_marker(marker)]
+        if not marked:
+            continue
+        found = why()
+        if marker == "cuda":
+            reason = "" if found else "cuda-marked: no CUDA device"
+        else:
+            reason = found and f"cluster-marked: {found}"
+        for item in marked:
+            item.user_properties.append(("marker", marker))
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))

@@ -5,7 +5,8 @@
 Each leg runs ``pytest -m parallel[N]`` on N ranks (mpi-pytest's non-forking
 mode) with a wall-clock limit, every rank writing its own JUnit XML, so a test
 failing on any rank counts as failed. The runner lists every skipped test with its
-reason. Only ``cuda``-marked tests may skip (where no CUDA device is usable): any
+reason. Only ``cuda``-marked tests (where no CUDA device is usable) and
+``cluster``-marked ones (where network namespaces cannot be made) may skip: any
 other skip counts as a failure, so the suite cannot silently test less than it says.
 Exits non-zero if any test failed or skipped unexpectedly, any leg crashed or timed
 out, or a leg ran no test.
@@ -37,7 +38,7 @@ def outcomes(xml_path):
     result = {}
     for case in ET.parse(xml_path).iter("testcase"):
         tid = f"{case.get('classname')}::{case.get('name')}"
-        cuda = any(p.get("value") == "cuda" for p in case.iter("property"))
+        cuda = any(p.get("value") in ("cuda", "cluster") for p in case.iter("property"))
         outcome, msg = "passed", ""
         for child in case:
             if child.tag in ("failure", "error"):
@@ -121,7 +122,7 @@ def main():
             if problem:
                 problems.append(f"{n} ranks: {problem}")
     if skips:
-        print(f"\n{len(skips)} skipped (only cuda-marked tests may skip):")
+        print(f"\n{len(skips)} skipped (only cuda- and cluster-marked tests may skip):")
     for line in skips:
         print(f"  {line}")
     for line in sorted(hints - {""}):
@@ -130,7 +131,7 @@ def main():
         print(f"ERROR {p}")
     print(
         f"\nmpitree tests: {totals['passed']} passed, {totals['failed']} failed, "
-        f"{totals['skipped']} skipped (cuda-marked), "
+        f"{totals['skipped']} skipped (cuda- or cluster-marked), "
         f"{totals['unexpected skip']} skipped unexpectedly"
     )
     return 1 if totals["failed"] or totals["unexpected skip"] or problems else 0

@@ -12,6 +12,8 @@ import pytest
 
 from mpitree.cluster import Cluster, ClusterError, parse_rate
 
+pytestmark = pytest.mark.cluster  # skipped, with the reason, where namespaces cannot be made
+
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 PROG = str(HERE / "cluster_prog.py")
@@ -180,6 +182,73 @@ def test_killing_a_node_ends_the_job_with_an_error():
     assert len(victims) >= 3, victims  # the node's MPI daemon or proxy, and both ranks
     assert job.returncode != 0, err
     assert elapsed < 30, elapsed
+    assert leftovers(tag) == []
+
+
+DECODER = (
+    "import os, sys, numpy as np, mpitree; from mpi4py import MPI; "
+    "rng = np.random.default_rng(0); "
+    "q = rng.standard_normal((1, 8, 1, 64)).astype(np.float32); "
+    "k = rng.standard_normal((1, 2, 4096, 64)).astype(np.float32); "
+    "plan = mpitree.DecodePlan(1, 8, 2, 64, strategy='hierarchical'); "
+    "[plan.decode(q, k, k) for _ in range(5)]; "
+    "sys.stdout.write(f'decoding {MPI.COMM_WORLD.rank} {os.getpid()}\\n'); sys.stdout.flush(); "
+    "[plan.decode(q, k, k) for _ in range(10**7)]"
+)
+
+
+def test_a_cut_link_is_bounded_by_mpich_timeouts():
+    # node 1's link goes down mid-decode. Nothing in the network notices (no packet comes
+    # back to say so): alone, every rank and mpiexec wait forever (measured: > 60 s). Two
+    # MPICH controls bound it: MPIR_CVAR_PROGRESS_TIMEOUT makes every rank that waits that
+    # long in MPI raise (both nodes' ranks: all exit, measured ~2x the setting), and hydra's
+    # MPIEXEC_TIMEOUT ends mpiexec, which would otherwise wait on the cut-off node's proxy,
+    # at a wall-clock limit counted from the start (measured: 1x to 2.5x the setting)
+    env = {**ENV, "MPIR_CVAR_PROGRESS_TIMEOUT": "8", "MPIEXEC_TIMEOUT": "20"}
+    with Cluster(2, link="1gbit") as cluster:
+        tag = cluster.tag
+        start = time.monotonic()
+        job = cluster.start(
+            [PY, "-c", DECODER], 2, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        ranks = [job.stdout.readline().split() for _ in range(4)]
+        if sorted(int(r[1]) for r in ranks if r) != [0, 1, 2, 3]:
+            raise AssertionError(f"{ranks}: {job.communicate(timeout=60)}")
+        pids = [int(r[2]) for r in ranks]
+        cluster.cut_link(1)
+        cut = time.monotonic()
+        while any(alive(p) for p in pids) and time.monotonic() - cut < 30:
+            time.sleep(0.1)
+        ranks_gone = time.monotonic() - cut
+        out, err = job.communicate(timeout=60)
+        elapsed = time.monotonic() - start
+        print(f"ranks gone {ranks_gone:.1f} s after the cut, mpiexec {elapsed:.1f} s after start")
+    assert not any(alive(p) for p in pids)  # every rank ended itself, before any teardown
+    assert ranks_gone < 2 * 8 + 10, ranks_gone
+    assert "mpi4py.MPI.Exception" in err, err[-2000:]  # the live node's ranks raised
+    assert job.returncode != 0 and "TIMED OUT" in out + err, (job.returncode, out[-500:])
+    assert elapsed < 2 * 20 + 15, elapsed
+    assert leftovers(tag) == []
+
+
+@pytest.mark.parametrize("how", ["no namespace", "link down"])
+def test_a_node_that_never_starts_ends_the_job_with_an_error(how):
+    # node 1 is gone before the launch (its ssh cannot reach it) or cannot reach mpiexec
+    # (its proxy cannot connect back): mpiexec exits non-zero at once
+    with Cluster(2, link="1gbit") as cluster:
+        tag = cluster.tag
+        if how == "no namespace":
+            subprocess.run(["ip", "netns", "del", cluster.names[1]], check=True)
+        else:
+            cluster.cut_link(1)
+        start = time.monotonic()
+        res = cluster.run([PY, "-c", SLEEPER], 2, env=ENV, capture=True, timeout=60)
+        elapsed = time.monotonic() - start
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "Launch proxy failed" in res.stderr or "unable to connect" in res.stderr, res.stderr
+    assert elapsed < 30, elapsed
+    assert "ready" not in res.stdout  # no rank started anywhere
     assert leftovers(tag) == []
 
 
