@@ -206,19 +206,24 @@ def _grouped(p, x):
 
 def _scores(p, scale, q, k, keep):
     """Scaled logits ``(B, Hkv, G*Sq, T)`` in the accumulation dtype; -inf where not visible."""
-    s = (_grouped(p, q.astype(p.acc)) * scale) @ jnp.swapaxes(k.astype(p.acc), -1, -2)
+    s = jnp.einsum("bhrd,bhtd->bhrt", _grouped(p, q.astype(p.acc)) * scale, k.astype(p.acc))
     return s if keep is None else jnp.where(keep, s, -jnp.inf)
+
+
+def _dot(probs, v):
+    """``probs @ v`` for ``(B, Hkv, R, T)`` and ``(B, Hkv, T, D)``."""
+    return jnp.einsum("bhrt,bhtd->bhrd", probs, v)
 
 
 def _weighted(probs, v, keep):
     """``probs @ v``: values of keys no row sees (NaN/Inf in unused slots) contribute nothing."""
     if keep is None:
-        return probs @ v
+        return _dot(probs, v)
     finite = jnp.all(jnp.isfinite(v), axis=-1)  # (B, Hkv, T)
-    clean = probs @ jnp.where(finite[..., None], v, 0)
+    clean = _dot(probs, jnp.where(finite[..., None], v, 0))
     sees_bad = jnp.any(keep & ~finite[:, :, None, :], axis=-1)[..., None]
     return jax.lax.cond(
-        jnp.any(sees_bad), lambda: jnp.where(sees_bad, probs @ v, clean), lambda: clean
+        jnp.any(sees_bad), lambda: jnp.where(sees_bad, _dot(probs, v), clean), lambda: clean
     )
 
 
@@ -292,14 +297,14 @@ def _decode_bwd(step, residuals, cotangents):
         if keep is not None:  # unused slots may hold NaN/Inf: they get, and give, nothing
             vv, kk = (jnp.where(jnp.isfinite(x), x, 0) for x in (vv, kk))
         delta = jnp.sum(do * _grouped(p, out), axis=-1, keepdims=True)
-        ds = probs * (
-            do @ jnp.swapaxes(vv, -1, -2) - delta + _grouped(p, dlse.astype(p.acc))[..., None]
-        )
+        dlse_rows = _grouped(p, dlse.astype(p.acc))[..., None]
+        ds = probs * (jnp.einsum("bhrd,bhtd->bhrt", do, vv) - delta + dlse_rows)
         if keep is not None:
             ds = jnp.where(keep, ds, 0)
-        dv = (jnp.swapaxes(probs, -1, -2) @ do).astype(v.dtype)
-        dk = (scale * jnp.swapaxes(ds, -1, -2) @ _grouped(p, q.astype(p.acc))).astype(k.dtype)
-        dq_local = scale * (ds @ kk)
+        qg = _grouped(p, q.astype(p.acc))
+        dv = jnp.einsum("bhrt,bhrd->bhtd", probs, do).astype(v.dtype)
+        dk = (scale * jnp.einsum("bhrt,bhrd->bhtd", ds, qg)).astype(k.dtype)
+        dq_local = scale * _dot(ds, kk)
     zeros = jnp.zeros((*dq_local.shape[:-1], 2), p.acc)  # m = 0, d = 0: the merge sums n
     rows = jnp.concatenate([zeros, dq_local], -1).reshape(*p.row_shape, -1)
     summed = _collective(step, "backward", rows, flag)
