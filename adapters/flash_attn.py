@@ -176,15 +176,12 @@ def tree_decode(
         )
         if opts.strategy == "ring":
             raise ValueError("the flash-attn adapter cannot run strategy='ring'")
-        op = extend.op_needed(opts.strategy, opts.deterministic, "float32", problem.head_dim)
-        return extend.Call({**problem.signature(), **opts.signature()}, (problem, opts), op=op)
+        sig = {**problem.signature(), **opts.signature()}
+        merge = (problem.rows, problem.head_dim, "float32", opts)
+        return extend.Call(sig, (problem, opts), merge=merge)
 
-    call = extend.agree(comm, prepare)
+    call, merger = extend.agree_merger(comm, prepare, like=q)
     problem, opts = call.payload
-    chosen = extend.resolve(opts.strategy, comm, call.native, opts.node_size, opts.deterministic)
-    merger = extend.merger_for(
-        comm, problem.rows, problem.head_dim, "float32", chosen, opts.node_size, like=q
-    )
 
     def fill(records):
         rec = _records(q, k_cache, v_cache, cache_seqlens, block_table, opts.scale)

@@ -32,6 +32,7 @@ from mpi4py import MPI
 
 from ._op import native_op_available, record_op
 from ._runtime import check_mpi_usable, default_comm
+from ._strategies import op_needed
 
 MAX_FIELDS = 24
 ENTRY_POINTS: dict = {}  # "module.qualname" -> the public function or method
@@ -153,12 +154,18 @@ class Call:
         Anything the entry point needs afterwards (validated arrays, options).
     op : tuple or None
         ``(accumulation dtype name, record width)`` of the native MPI op the call
-        will need; it is created inside the guarded local phase.
+        will need; it is created inside the guarded local phase. Default: the op
+        ``merge`` needs, if any.
     native : bool
         After :func:`agree`: whether every rank has the compiled op (a shared fact).
     key : hashable or None
         A key that determines ``signature`` and ``op`` exactly (types and signs of
         zero included): :func:`agree` then encodes them once per key and entry point.
+    merge : tuple or None
+        ``(rows, head_dim, acc, options)``: the merger the call needs after the
+        agreement (an :class:`Options` names its strategy,
+        determinism and node size), which :func:`agree_merger`
+        resolves and returns; None for a call that merges nothing.
     """
 
     signature: dict
@@ -166,6 +173,12 @@ class Call:
     op: tuple | None = None
     native: bool = field(default=True)
     key: object = None
+    merge: tuple | None = None
+
+    def __post_init__(self):
+        if self.op is None and self.merge is not None:
+            _, head_dim, acc, opts = self.merge
+            self.op = op_needed(opts.strategy, opts.deterministic, acc, head_dim)
 
 
 _OK = 1 << 62  # an agreement's verdict slot on a rank whose local phase passed

@@ -14,19 +14,17 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from ._agreed import agree_merger
 from ._checks import Problem, check_finite, check_masking, check_qkv
 from ._guard import Call, agree, check_comm, entry_point
 from ._invariant import check_placement, leaf_records, local_pieces
 from ._kernel import Prepared, kernel_isa
 from ._local import BLOCK_SCORES, attend
 from ._masks import visibility
-from ._merger import Merger, merger_for
 from ._namespace import Array, NumpyLike
 from ._options import INVARIANT, NODE_SIZE_ENV, Options, dtype_name, resolve_scale
 from ._runtime import limit_blas_threads
 from ._state import State, finish
-from ._strategies import op_needed, resolve
-from ._strategies.invariant import InvariantMerger
 
 _HOST = NumpyLike("numpy", np)
 FAST_PATH = True  # plans skip re-validating an unchanged layout (False: benchmarks, tests)
@@ -264,37 +262,20 @@ class DecodePlan:
                 problem.head_dim, strategy, scale, deterministic, node_size, validate,
                 block_size=block_size, invariant=True,
             )  # fmt: skip
-            op = op_needed(strategy, options.deterministic, problem.acc, problem.head_dim)
             sig = {**problem.signature(), **options.signature()}
             if options.deterministic == INVARIANT:
                 invariant_signature(sig)
-            return Call(sig, (problem, options), op=op)
+            merge = (problem.rows, problem.head_dim, problem.acc, options)
+            return Call(sig, (problem, options), merge=merge)
 
-        call = agree(comm, prepare)
+        call, self._merger = agree_merger(comm, prepare, owned=True)
         self.problem, self.options = call.payload
+        self.strategy = self._merger.strategy
         self.comm = comm
         self._ranks = comm.Get_size()  # for repr, which may run after MPI.Finalize()
-        opts = self.options
         limit_blas_threads()
         self._lazy = _LazyStep(self)
         self._fast = None  # (layout, Prepared) of the last step that ran the full checks
-        if opts.deterministic == INVARIANT:
-            self.strategy = INVARIANT
-            self._merger = InvariantMerger(
-                comm, self.problem.rows, self.problem.head_dim, self.problem.acc
-            )
-            return
-        self.strategy = resolve(
-            opts.strategy, comm, call.native, opts.node_size, opts.deterministic
-        )
-        self._merger = Merger(
-            comm,
-            self.problem.rows,
-            self.problem.head_dim,
-            self.problem.acc,
-            self.strategy,
-            node_size=opts.node_size,
-        )
 
     @property
     def scale(self) -> float:
@@ -564,7 +545,8 @@ class _Recurring:
             return None  # a prompt: attend() splits it into blocks of rows
         problem, opts = call.payload
         fill = functools.partial(self._run, q, k, v)
-        return Call(call.signature, (problem, opts, fill, None), op=call.op, key=call.key)
+        payload = (problem, opts, fill, None)
+        return Call(call.signature, payload, op=call.op, key=call.key, merge=call.merge)
 
 
 _recurring = threading.local()  # per thread: a bound kernel is not reentrant
@@ -592,7 +574,8 @@ def _remember(key, call, step):
     if prepared is None:
         return
     cache = _recurring_calls()
-    cache[key] = _Recurring(Call(call.signature, call.payload[:2], op=call.op, key=key), prepared)
+    kept = Call(call.signature, call.payload[:2], op=call.op, key=key, merge=call.merge)
+    cache[key] = _Recurring(kept, prepared)
     if len(cache) > _RECURRING_SIZE:
         cache.popitem(last=False)
 
@@ -726,19 +709,19 @@ def tree_decode(
                         cache.move_to_end(full)
                         return hit
         problem, opts, step, sig = prepare_attention(q, k, v, kv_len, q_pos, k_pos, mask, options)
-        op = op_needed(opts.strategy, opts.deterministic, problem.acc, problem.head_dim)
         blocks = None
         if opts.deterministic == INVARIANT:
             invariant_signature(sig)
             blocks = check_placement(int(step.k.shape[2]), opts.block_size, kv_start, kv_blocks)
         else:
             _placement_unused(kv_start, kv_blocks)
-        call = Call(sig, (problem, opts, step, blocks), op=op)
+        merge = (problem.rows, problem.head_dim, problem.acc, opts)
+        call = Call(sig, (problem, opts, step, blocks), merge=merge)
         if cache is not None:
             _remember(full, call, step)
         return call
 
-    call = agree(comm, prepare)
+    call, merger = agree_merger(comm, prepare, like=_staged(q))
     problem, opts, step, blocks = call.payload
     limit_blas_threads()
     if blocks is not None:
@@ -747,13 +730,8 @@ def tree_decode(
             return local_pieces(blocks, leaf_records(step, opts.block_size, len(blocks), acc))
 
         acc = problem.acc
-        merger = merger_for(comm, problem.rows, problem.head_dim, acc, INVARIANT)
         records = merger.merge(local).reshape(*problem.row_shape, -1)
         return finish(records, q, return_lse, inputs=(q, k, v))
-    chosen = resolve(opts.strategy, comm, call.native, opts.node_size, opts.deterministic)
-    merger = merger_for(
-        comm, problem.rows, problem.head_dim, problem.acc, chosen, opts.node_size, _staged(q)
-    )
     records = merger.merge(step)
     return finish(records.reshape(*problem.row_shape, -1), q, return_lse, inputs=(q, k, v))
 
@@ -794,7 +772,7 @@ def allreduce_state(
             full = (state.records.shape, state.records.dtype, key)
             found = _state_calls.get(full)
             if found is not None:
-                return Call(found.signature, found.payload, op=found.op, key=full)
+                return Call(found.signature, None, op=found.op, key=full, merge=found.merge)
         if not isinstance(state, State):
             raise TypeError(f"state must be an mpitree.State, got {type(state).__name__}")
         opts = Options.resolve(state.head_dim, strategy, None, deterministic, node_size)
@@ -803,23 +781,16 @@ def allreduce_state(
         acc = dtype_name(state.records.dtype)
         sig = {"rows": tuple(state.shape), "head_dim": state.head_dim, "dtype": acc}
         sig.update(opts.signature())
-        op = op_needed(opts.strategy, opts.deterministic, acc, state.head_dim)
+        merge = (math.prod(state.shape), state.head_dim, acc, opts)
         if type(state) is not State or key is None:
-            return Call(sig, opts, op=op)
-        rows = math.prod(state.shape)
-        call = Call(sig, (opts, rows, state.head_dim, acc), op=op, key=full)
+            return Call(sig, None, merge=merge)
+        call = Call(sig, None, key=full, merge=merge)
         if len(_state_calls) < _RECURRING_SIZE:
             _state_calls[full] = call
         return call
 
-    call = agree(comm, prepare)
-    if call.key is None:
-        opts = call.payload
-        rows, head_dim, acc = math.prod(state.shape), state.head_dim, call.signature["dtype"]
-    else:
-        opts, rows, head_dim, acc = call.payload
-    chosen = resolve(opts.strategy, comm, call.native, opts.node_size, opts.deterministic)
-    merger = merger_for(comm, rows, head_dim, acc, chosen, opts.node_size)
+    call, merger = agree_merger(comm, prepare)
+    rows = call.merge[0]
     records = state.records
 
     def fill(out):

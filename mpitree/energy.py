@@ -25,13 +25,12 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ._guard import Call, agree, check_comm, entry_point, flagged_allreduce
+from ._agreed import agree_merger
+from ._guard import Call, check_comm, entry_point, flagged_allreduce
 from ._local import grouped_keep, quiet, weighted_values
-from ._merger import merger_for
 from ._namespace import Array, NumpyLike, is_array, namespace
 from ._plan import prepare_attention
 from ._state import lse_of, output_of
-from ._strategies import resolve
 
 __all__ = ["attention_variance", "free_energy", "tree_energy"]
 
@@ -174,11 +173,9 @@ def _prepare(q, k, v, zeta, scale, kv_len, q_pos, k_pos, mask, extra=None):
     return problem, opts, step, sig
 
 
-def _merge_records(comm, call, problem, width, fill):
-    """Merge ``(B, Hq, Sq, width)`` records with one native all-reduce (the agreed op)."""
-    strategy = resolve("allreduce", comm, call.native)
-    merger = merger_for(comm, problem.rows, width - 2, problem.acc, strategy)
-    return merger.merge(fill).reshape(*problem.row_shape, width)
+def _merge(problem, opts, width):
+    """Return ``Call.merge`` for ``(B, Hq, Sq, width)`` records: one native all-reduce."""
+    return (problem.rows, width - 2, problem.acc, opts)
 
 
 @entry_point
@@ -230,13 +227,13 @@ def tree_energy(
     def prepare():
         if algorithm not in ("fused", "paper"):
             raise ValueError(f"algorithm must be 'fused' or 'paper', got {algorithm!r}")
-        problem, _, step, sig = _prepare(
+        problem, opts, step, sig = _prepare(
             q, k, v, zeta, scale, kv_len, q_pos, k_pos, mask, {"algorithm": algorithm}
         )
-        op = (problem.acc, problem.head_dim + 2) if algorithm == "fused" else None
-        return Call(sig, (problem, step), op=op)
+        merge = _merge(problem, opts, problem.head_dim + 2) if algorithm == "fused" else None
+        return Call(sig, (problem, step), merge=merge)
 
-    call = agree(comm, prepare)
+    call, merger = agree_merger(comm, prepare)
     problem, step = call.payload
     acc = np.dtype(problem.acc)
     if algorithm == "paper":
@@ -250,7 +247,7 @@ def tree_energy(
             x, vv, keep = _logits(step, zeta, acc)
             rows[...] = _records_of(x, vv, keep, problem.q_heads)
 
-    merged = _merge_records(comm, call, problem, problem.head_dim + 2, fill)
+    merged = merger.merge(fill).reshape(*problem.row_shape, -1)
     return lse_of(merged, dtype=acc), output_of(merged)
 
 
@@ -319,14 +316,14 @@ def attention_variance(
     def prepare():
         if not isinstance(full, (bool, np.bool_)):
             raise TypeError(f"full must be True or False, got {full!r}")
-        problem, _, step, sig = _prepare(
+        problem, opts, step, sig = _prepare(
             q, k, v, None, scale, kv_len, q_pos, k_pos, mask, {"full": bool(full)}
         )
         dim = problem.head_dim
         width = dim + 2 + (dim * dim if full else dim)
-        return Call(sig, (problem, step, width), op=(problem.acc, width))
+        return Call(sig, (problem, step, width), merge=_merge(problem, opts, width))
 
-    call = agree(comm, prepare)
+    call, merger = agree_merger(comm, prepare)
     problem, step, width = call.payload
     acc, dim = np.dtype(problem.acc), problem.head_dim
 
@@ -337,7 +334,7 @@ def attention_variance(
             x, vv, keep, problem.q_heads, moments
         )
 
-    moments = output_of(_merge_records(comm, call, problem, width, fill))  # E[v], E[v v]
+    moments = output_of(merger.merge(fill).reshape(*problem.row_shape, width))  # E[v], E[v v]
     mean, second = moments[..., :dim], moments[..., dim:]
     if full:
         second = second.reshape(*second.shape[:-1], dim, dim)

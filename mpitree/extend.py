@@ -12,24 +12,28 @@ layout) joins mpitree's guarantees by following the core's own pattern::
         def prepare():                     # every local check, inside the guard
             ...validate q and cache...
             opts = extend.Options.resolve(head_dim, strategy)
-            return extend.Call(signature, payload, op=extend.op_needed(...))
+            merge = (rows, head_dim, "float32", opts)   # the merger it needs
+            return extend.Call(signature, payload, merge=merge)
 
-        call = extend.agree(comm, prepare) # the one agreement collective
-        merger = extend.merger_for(comm, rows, head_dim, "float32",
-                                   extend.resolve(opts.strategy, comm, call.native))
+        # the one agreement collective, then the agreed strategy's shared merger
+        call, merger = extend.agree_merger(comm, prepare, like=q)
         records = merger.merge(fill)       # fill(records) runs inside the guard
         return extend.finish(records.reshape(B, Hq, Sq, -1), q)
 
-With ``deterministic="invariant"``, ``merger_for(..., extend.INVARIANT)`` gives the
-merger of canonical-tree pieces: ``merger.merge(lambda: extend.invariant_pieces(
-attention, block_size, kv_start, kv_blocks, acc))`` returns the ``(rows, D + 2)``
-records of the tree's root, and the signature gains the kernel build
-(``extend.invariant_signature``).
+``agree_merger`` is the whole recipe: the native op the merge needs is created
+inside the guard, ``"auto"`` resolves with the agreed native-op fact and the
+options' node size, and every rank gets the same merger. With
+``deterministic="invariant"`` it is the merger of canonical-tree pieces:
+``merger.merge(lambda: extend.invariant_pieces(attention, block_size, kv_start,
+kv_blocks, acc))`` returns the ``(rows, D + 2)`` records of the tree's root, and the
+signature gains the kernel build (``extend.invariant_signature``). A call that
+merges nothing (``merge=None``) gets no merger: ``extend.agree`` alone is enough.
 
 Everything here is public and stable within a minor version; adapters in
 ``mpitree.adapters`` use nothing else of the core.
 """
 
+from ._agreed import agree_merger
 from ._checks import Problem, check_masking, check_qkv
 from ._guard import ENTRY_POINTS, Call, RankError, agree, check_comm, entry_point
 from ._kernel import BoundLayer
@@ -55,6 +59,7 @@ __all__ = [
     "RankError",
     "acc_name",
     "agree",
+    "agree_merger",
     "attend",
     "check_comm",
     "check_masking",

@@ -25,13 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from ._agreed import agree_merger
 from ._checks import check_qkv
-from ._guard import Call, agree, check_comm, entry_point
-from ._merger import merger_for
+from ._guard import Call, check_comm, entry_point
 from ._namespace import Array, is_array, namespace
 from ._plan import prepare_attention
 from ._state import State, combine_records, finish
-from ._strategies import op_needed, resolve
 
 __all__ = ["Packed", "dedup_prefix", "greedy_accept", "pack", "unpack", "verify_attention"]
 
@@ -246,6 +245,7 @@ def verify_attention(
     kv_len: Array | None = None,
     owner: int | None = None,
     strategy: str = "auto",
+    node_size: int | None = None,
     return_lse: bool = False,
 ) -> Array | tuple[Array, Array]:
     """Attention of packed draft tokens over a sharded context plus their tree, in one reduction.
@@ -269,7 +269,7 @@ def verify_attention(
         ``(B, L, L)`` bool, ``Packed.mask``.
     comm : mpi4py.MPI.Intracomm, optional
         Default: mpitree's private communicator.
-    scale, strategy, return_lse
+    scale, strategy, node_size, return_lse
         As in :func:`mpitree.tree_decode` (``"ring"`` is not available here).
     kv_len : array, optional
         int ``(B,)``: valid context keys in this rank's shard (ragged batches).
@@ -292,7 +292,7 @@ def verify_attention(
             raise TypeError(f"owner must be an int rank, got {who!r}")
         if not 0 <= who < size:
             raise ValueError(f"owner must be a rank in [0, {size}), got {who}")
-        opts = dict(strategy=strategy, scale=scale)
+        opts = dict(strategy=strategy, scale=scale, node_size=node_size)
         problem, opts, context, sig = prepare_attention(
             q, k_context, v_context, kv_len, None, None, None, opts
         )
@@ -314,13 +314,11 @@ def verify_attention(
             vis = ns.contiguous(ns.asarray(tree_mask, like=q)[:, None])
             tree = type(context)(ns, q, k_tree, v_tree, opts.scale, None, vis)
         sig["owner"] = int(who)
-        op = op_needed(opts.strategy, False, problem.acc, problem.head_dim)
-        return Call(sig, (problem, opts, context, tree), op=op)
+        merge = (problem.rows, problem.head_dim, problem.acc, opts)
+        return Call(sig, (problem, context, tree), merge=merge)
 
-    call = agree(comm, prepare)
-    problem, opts, context, tree = call.payload
-    chosen = resolve(opts.strategy, comm, call.native)
-    merger = merger_for(comm, problem.rows, problem.head_dim, problem.acc, chosen, like=None)
+    call, merger = agree_merger(comm, prepare)
+    problem, context, tree = call.payload
 
     def fill(records):
         context.fill(records)

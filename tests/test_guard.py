@@ -1,5 +1,9 @@
-"""The guard's entry: MPI used outside its lifetime gives a Python exception, never an abort."""
+"""The guard's entry: MPI used outside its lifetime gives a Python exception, never an abort.
 
+And the guarded-call recipe (agree, resolve the strategy, get the merger) is written once.
+"""
+
+import ast
 import os
 import sys
 from pathlib import Path
@@ -59,3 +63,53 @@ def test_every_entry_point_raises_after_finalize():
     assert res.stdout.count("raised") == 2 * 13, res.stdout
     assert res.stdout.count("repr DecodePlan(") == 2, res.stdout
     assert "Attempting to use an MPI routine" not in res.stderr
+
+
+ROOT = Path(__file__).resolve().parent.parent
+# the recipe's steps after the agreement, and the op it needs before: only these modules
+# call them (the helper, Call's default op, and where they are defined)
+RECIPE = {"resolve", "merger_for", "op_needed"}
+RECIPE_HOME = {"mpitree/_agreed.py", "mpitree/_guard.py", "mpitree/_merger.py"}
+
+
+def _recipe_calls(tree):
+    """Yield ``(line, name)`` of calls to a recipe step, bare or through a module (extend.X)."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in RECIPE:
+            yield node.lineno, func.id
+        elif (
+            isinstance(func, ast.Attribute)
+            and func.attr in RECIPE
+            and isinstance(func.value, ast.Name)
+            and func.value.id in ("extend", "_strategies", "strategies", "_merger")
+        ):
+            yield node.lineno, f"{func.value.id}.{func.attr}"
+
+
+def test_only_the_helper_spells_out_the_guarded_recipe():
+    """Static check: every entry point reaches its merger through ``agree_merger``."""
+    offenders = []
+    for path in [*(ROOT / "mpitree").rglob("*.py"), *(ROOT / "adapters").rglob("*.py")]:
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in RECIPE_HOME or rel.startswith("mpitree/_strategies/"):
+            continue
+        tree = ast.parse(path.read_text())
+        offenders += [f"{rel}:{line} {name}(...)" for line, name in _recipe_calls(tree)]
+    assert not offenders, offenders
+
+
+def test_the_recipe_check_catches_a_copy():
+    """The static check above flags each step of the recipe written out by hand."""
+    copy = """
+def entry(comm, prepare):
+    call = extend.agree(comm, prepare)
+    chosen = extend.resolve(opts.strategy, comm, call.native)
+    merger = merger_for(comm, 1, 8, "float32", chosen)
+    op = op_needed("auto", False, "float32", 8)
+    opts = Options.resolve(8)
+"""
+    found = [name for _, name in _recipe_calls(ast.parse(copy))]
+    assert sorted(found) == ["extend.resolve", "merger_for", "op_needed"], found

@@ -203,6 +203,53 @@ def test_verify_attention_matches_full_mask_reference(ragged):
     assert_allclose(out, ref, atol=1e-12)
 
 
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parametrize("source", ["argument", "env"])
+def test_verify_attention_honours_node_size(source, monkeypatch):
+    """strategy="hierarchical" merges over the virtual nodes of node_size (or its env)."""
+    from mpitree import _merger
+
+    node_size = 2
+    kw = {"node_size": node_size} if source == "argument" else {}
+    if source == "env":
+        monkeypatch.setenv("MPITREE_NODE_SIZE", str(node_size))
+    world_comm = world()
+    comm = world_comm.Dup()  # a fresh communicator: its cached mergers are this call's
+    try:
+        rng = np.random.default_rng(4)
+        p = spec.pack(rng.integers(0, 3, (2, 4, 3)))
+        b, length = p.tokens.shape
+        sizes = [4, 6, 0][: comm.size]
+        q = rng.standard_normal((b, 4, length, 8))
+        k_ctx, v_ctx = rng.standard_normal((2, b, 2, sum(sizes), 8))
+        k_tree, v_tree = rng.standard_normal((2, b, 2, length, 8))
+        lo = sum(sizes[: comm.rank])
+        mine = slice(lo, lo + sizes[comm.rank])
+        out = spec.verify_attention(
+            q, k_ctx[:, :, mine], v_ctx[:, :, mine], k_tree, v_tree, p.mask, comm,
+            strategy="hierarchical", **kw,
+        )  # fmt: skip
+        mergers = comm.Get_attr(_merger._keyval)
+        assert [key[3:5] for key in mergers] == [("hierarchical", node_size)], list(mergers)
+        if comm.size > 1:  # one rank merges nothing: it builds no layout
+            lay = next(iter(mergers.values()))._impl.layout
+            assert lay.nodes == -(-comm.size // node_size)
+            first = comm.rank // node_size * node_size
+            assert lay.node.Get_size() == min(node_size, comm.size - first)
+        visible = np.concatenate([np.ones((b, length, sum(sizes)), bool), np.asarray(p.mask)], -1)[
+            :, None
+        ]
+        ref, _ = mpitree.reference_attention(
+            q,
+            np.concatenate([k_ctx, k_tree], 2),
+            np.concatenate([v_ctx, v_tree], 2),
+            visible=visible,
+        )
+        assert_allclose(out, ref, atol=1e-12)
+    finally:
+        comm.Free()
+
+
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_one_packed_pass_equals_each_candidate_separately(impl):
     """A tiny random-weight Llama: logits of the packed tree pass == per-candidate passes."""

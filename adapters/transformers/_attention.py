@@ -335,31 +335,20 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, signature, pos
             sharding.strategy,
             scaling,
             sharding.deterministic,
+            node_size=0,  # the real nodes: a ShardedCache takes no node size
             block_size=sharding.block_size if sharding.invariant else None,
             invariant=True,
         )
-        width = problem.head_dim + 2
-        op = extend.op_needed(opts.strategy, opts.deterministic, problem.acc, problem.head_dim)
-        return extend.Call(
-            signature,
-            (problem, opts, history, keep),
-            op=(problem.acc, width) if view.sharded else op,
-        )
+        payload = (opts, history, keep)
+        if view.sharded:  # a sharded prefill merges its own way, with the native op
+            return extend.Call(signature, payload, op=(problem.acc, problem.head_dim + 2))
+        merge = (problem.rows, problem.head_dim, problem.acc, opts)
+        return extend.Call(signature, payload, merge=merge)
 
-    call = extend.agree(sharding.comm, prepare)
-    problem, opts, history, keep = call.payload
-    merger = None
+    call, merger = extend.agree_merger(sharding.comm, prepare, like=query)
+    opts, history, keep = call.payload
     if not view.sharded:
         sharding.history = history
-    if sharding.invariant and not view.sharded:
-        merger = extend.merger_for(
-            sharding.comm, problem.rows, problem.head_dim, problem.acc, extend.INVARIANT
-        )
-    elif not view.sharded:
-        chosen = extend.resolve(opts.strategy, sharding.comm, call.native, 0, opts.deterministic)
-        merger = extend.merger_for(
-            sharding.comm, problem.rows, problem.head_dim, problem.acc, chosen, like=query
-        )
     agreed = Agreed(signature, opts.scale, merger)
     agreed.visible[_visible_key(mask, view)] = (mask, keep)  # the first layer's, computed above
     return agreed

@@ -1,0 +1,62 @@
+"""The guarded-call recipe, written once: agree, resolve the strategy, get its merger."""
+
+from __future__ import annotations
+
+from ._guard import agree
+from ._merger import Merger, merger_for
+from ._options import INVARIANT
+from ._strategies import resolve
+from ._strategies.invariant import InvariantMerger
+
+
+def agree_merger(comm, prepare, *, like=None, owned=False):
+    """Run a call's one agreement, then resolve its strategy and get its merger.
+
+    Every entry point that merges takes this path: ``prepare()`` runs the local
+    checks and returns a :class:`Call` whose ``merge`` names the merger
+    it needs (its ``op`` follows from it, inside the guard); :func:`agree`
+    runs the one agreement collective; then every rank resolves the agreed
+    strategy (``"auto"`` with the agreed native-op fact and the options' node
+    size; ``deterministic="invariant"`` gives the canonical-tree merger) and
+    gets the same merger. Nothing between the agreement and the merger can
+    raise on some ranks only.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm
+        A communicator checked by :func:`check_comm`.
+    prepare : callable
+        Returns a :class:`Call`; any exception it raises becomes this
+        rank's verdict in the agreement.
+    like : array, optional
+        An array of the call's framework and device: records of device arrays are
+        staged through host buffers of the merger. None for numpy.
+    owned : bool, optional
+        Build a merger that only the caller holds (a plan frees it with itself)
+        instead of the one cached on ``comm`` (:func:`merger_for`).
+
+    Returns
+    -------
+    call : Call
+        The agreed call (``native`` set).
+    merger : Merger or InvariantMerger or None
+        Its merger over ``call.merge = (rows, head_dim, acc, options)``; None
+        when ``call.merge`` is None. ``merger.strategy`` is the strategy that runs.
+
+    Raises
+    ------
+    Exception
+        On every rank, as :func:`agree` raises.
+    """
+    call = agree(comm, prepare)
+    if call.merge is None:
+        return call, None
+    rows, head_dim, acc, opts = call.merge
+    if opts.deterministic == INVARIANT:
+        if owned:
+            return call, InvariantMerger(comm, rows, head_dim, acc)
+        return call, merger_for(comm, rows, head_dim, acc, INVARIANT)
+    chosen = resolve(opts.strategy, comm, call.native, opts.node_size, opts.deterministic)
+    if owned:
+        return call, Merger(comm, rows, head_dim, acc, chosen, node_size=opts.node_size, like=like)
+    return call, merger_for(comm, rows, head_dim, acc, chosen, opts.node_size, like)
