@@ -69,8 +69,8 @@ class _Step:
             raise ValueError(f"kv_len must lie in [0, {self.t}] (this shard's length)")
         p, o = self.problem, self.opts
         sig = {"phase": phase, **p.signature(), **o.signature()}
-        op = extend.op_needed(o.strategy, False, p.acc, p.head_dim)
-        return extend.Call(sig, op=op, key=(phase, p, o, o.scale.hex()))
+        merge = (p.rows, p.head_dim, p.acc, o)
+        return extend.Call(sig, key=(phase, p, o, o.scale.hex()), merge=merge)
 
 
 @extend.entry_point
@@ -82,10 +82,7 @@ def _host_step(step, phase, records, flag):
     weights are then 1). Returns the merged records, a new array.
     """
     comm = step.comm
-    call = extend.agree(comm, lambda: step.call(phase, int(np.asarray(flag))))
-    p, o = step.problem, step.opts
-    chosen = extend.resolve(o.strategy, comm, call.native, o.node_size)
-    merger = extend.merger_for(comm, p.rows, p.head_dim, p.acc, chosen, o.node_size)
+    _call, merger = extend.agree_merger(comm, lambda: step.call(phase, int(np.asarray(flag))))
 
     def fill(out):
         out[...] = np.asarray(records).reshape(out.shape)
