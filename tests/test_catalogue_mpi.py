@@ -372,6 +372,14 @@ def attention_cases():
         "step length differs": lambda bad: step(bad, tokens=2 if bad else 1),
         "4-D mask shape": lambda bad: step(bad, mask=torch.ones(2, 1, 1, 3, dtype=torch.bool)),
         "4-D mask additive bias": lambda bad: step(bad, mask=torch.full((2, 1, 1, 10), 0.5)),
+        # Hkv heads (neither 1 nor Hq): refused whatever keys the bad rank holds
+        "4-D mask with Hkv heads": lambda bad: step(bad, mask=torch.ones(2, 2, 1, 10).bool()),
+        "4-D mask with Hkv heads, no keys on the bad rank": lambda bad: step(
+            bad, mask=torch.ones(2, 2, 1, 3).bool(), length=2
+        ),
+        "invariant: 4-D mask with Hkv heads": lambda bad: step(
+            bad, mask=torch.ones(2, 2, 1, 10).bool(), deterministic="invariant"
+        ),
         "strategy set on one rank": lambda bad: strategy_changed(bad),
         "beam search after prefill": lambda bad: beams_after_prefill(bad),
         "no ShardedCache on one rank": lambda bad: without_cache(bad),

@@ -42,6 +42,11 @@ CALLS = {
     "allreduce3": lambda q, k, v: mpitree.tree_decode(q, k, v, strategy="allreduce3"),
     "allgather": lambda q, k, v: mpitree.tree_decode(q, k, v, strategy="allgather"),
     "hierarchical": lambda q, k, v: mpitree.tree_decode(q, k, v, strategy="hierarchical"),
+    "allreduce": lambda q, k, v: mpitree.tree_decode(q, k, v, strategy="allreduce"),
+    "float16": lambda q, k, v: mpitree.tree_decode(*(x.half() for x in (q, k, v))),
+    "empty shard on rank 0": lambda q, k, v: mpitree.tree_decode(
+        q, *((x[:, :, :0] if world().rank == 0 else x) for x in (k, v))
+    ),
     "bfloat16": lambda q, k, v: mpitree.tree_decode(*(x.bfloat16() for x in (q, k, v))),
     "float64": lambda q, k, v: mpitree.tree_decode(*(x.double() for x in (q, k, v))),
     "verify_attention": lambda q, k, v: mpitree.spec.verify_attention(
