@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mpitree.cluster import Cluster, ClusterError, parse_rate
+from mpitree.cluster import Cluster, ClusterError, find_mpiexec, parse_rate
 
 pytestmark = pytest.mark.cluster  # skipped, with the reason, where namespaces cannot be made
 
@@ -18,6 +18,10 @@ HERE = Path(__file__).resolve().parent
 PY = sys.executable
 PROG = str(HERE / "cluster_prog.py")
 ENV = {k: v for k, v in os.environ.items() if k != "MPITREE_NODE_SIZE"}
+KIND = find_mpiexec()[1]  # "hydra" (MPICH) or "openmpi": the mpiexec the harness launches
+hydra_only = pytest.mark.skipif(
+    KIND != "hydra", reason="cluster-marked: MPICH's fault controls; this run's MPI is Open MPI"
+)
 SLEEPER = (
     "import os, sys, time; from mpi4py import MPI; "
     "sys.stdout.write(f'ready {MPI.COMM_WORLD.rank} {os.getpid()}\\n'); sys.stdout.flush(); "
@@ -180,7 +184,10 @@ def test_killing_a_node_ends_the_job_with_an_error():
         _out, err = job.communicate(timeout=60)
         elapsed = time.monotonic() - start
     assert len(victims) >= 3, victims  # the node's MPI daemon or proxy, and both ranks
-    assert job.returncode != 0, err
+    if KIND == "openmpi":  # prterun reports the lost daemon but once exited 0 (CI, load 15)
+        assert job.returncode != 0 or "lost communication with a remote daemon" in err, err
+    else:
+        assert job.returncode != 0, err
     assert elapsed < 30, elapsed
     assert leftovers(tag) == []
 
@@ -197,6 +204,7 @@ DECODER = (
 )
 
 
+@hydra_only
 def test_a_cut_link_is_bounded_by_mpich_timeouts():
     # node 1's link goes down mid-decode. Nothing in the network notices (no packet comes
     # back to say so): alone, every rank and mpiexec wait forever (measured: > 60 s). Two
@@ -232,6 +240,7 @@ def test_a_cut_link_is_bounded_by_mpich_timeouts():
     assert leftovers(tag) == []
 
 
+@hydra_only
 @pytest.mark.parametrize("how", ["no namespace", "link down"])
 def test_a_node_that_never_starts_ends_the_job_with_an_error(how):
     # node 1 is gone before the launch (its ssh cannot reach it) or cannot reach mpiexec
