@@ -512,3 +512,28 @@ def test_cache_tensors_save_and_keep_no_layer_alive(tmp_path):
     del cache
     gc.collect()
     assert layer() is None  # the tensors outlive the cache without keeping it
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parametrize("placement", mtt.PLACEMENTS)
+def test_crop_keeps_a_view_as_documented(placement):
+    """Documented (ShardedCache.crop, docs/transformers.md): unlike DynamicCache's, a key
+    tensor taken before a crop may see a token appended after it, in the cropped-off
+    range only; what the crop kept never changes, and a clone never does."""
+    model = tiny_llama()
+    model.set_attn_implementation("mpitree")
+    ids, _ = prompt(9, False)
+    cache = mtt.ShardedCache(model.config, block_size=4, placement=placement)
+    with torch.no_grad():
+        model(ids, cache=cache)
+    before = cache.layers[0].keys
+    kept = before.clone()
+    cache.crop(-3)  # positions 6..8 dropped; the next token is position 6 again
+    n = cache.layers[0].keys.shape[2]
+    with torch.no_grad():
+        model((ids[:, 6:7] + 1) % model.config.vocab_size, cache=cache)
+    assert torch.equal(before[:, :, :n], kept[:, :, :n])  # the kept range never changes
+    changed = world().allreduce(int(not torch.equal(before, kept)))
+    # interleave: position 6 goes back to its block's rank, into the dropped room
+    assert changed == 1 if placement == "interleave" else changed <= 1
+    assert "clone()" in mtt.ShardedCache.crop.__doc__  # and the docs say so
