@@ -186,6 +186,47 @@ def test_ranks_diverging_mid_generation_raise_on_every_rank():
             model(ids[:, :1], cache=cache)
 
 
+EDITS = {  # a crop or batch operation run by one rank only
+    "crop": (lambda c: c.crop(-1), "cached tokens"),
+    "reorder_cache": (lambda c: c.reorder_cache(torch.tensor([1, 0])), "cache edits"),
+    "batch_select_indices": (lambda c: c.batch_select_indices(torch.tensor([1, 0])), "edits"),
+    "batch_repeat_interleave": (lambda c: c.batch_repeat_interleave(1), "cache edits"),
+}
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("placement", mtt.PLACEMENTS)
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_a_cache_edit_on_one_rank_raises_on_every_rank(edit, placement):
+    """The step agrees on the cache's length and edits: states of other tokens never merge.
+
+    Without it, a crop or reorder on one rank gave every rank the same wrong logits.
+    The same edit on every rank decodes on exactly.
+    """
+    model = tiny_llama()
+    model.set_attn_implementation("mpitree")
+    ids, _ = prompt(9, False)
+    run, field = EDITS[edit]
+    cache = mtt.ShardedCache(model.config, block_size=2, placement=placement)
+    twin = mtt.ShardedCache(model.config, block_size=2, placement=placement)
+    with torch.no_grad():
+        model(ids, cache=cache)
+        model(ids, cache=twin)
+        if world().rank == world().size - 1:
+            run(cache)
+        run(twin)
+        with pytest.raises(ValueError, match=f"ranks disagree on .*{field}"):
+            model(ids[:, :1], cache=cache)
+        got = model(ids[:, :1], cache=twin).logits
+    model.set_attn_implementation("eager")
+    ref = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=ref)
+        run(ref)
+        want = model(ids[:, :1], cache=ref).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def eager_prefix(model, ids, mask):
     """A DynamicCache holding ``ids`` run by single-process eager (the reference cache)."""
     model.set_attn_implementation("eager")

@@ -343,7 +343,10 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, signature, pos
         if view.sharded:  # a sharded prefill merges its own way, with the native op
             return extend.Call(signature, payload, op=(problem.acc, problem.head_dim + 2))
         merge = (problem.rows, problem.head_dim, problem.acc, opts)
-        return extend.Call(signature, payload, merge=merge)
+        # the cache's global length and edits: a crop or batch operation on one rank only
+        # would merge states of different tokens (the layers' own signature stays as it is)
+        cache = {"cached tokens": view.start, "cache edits": sharding.edits}
+        return extend.Call({**signature, **cache}, payload, merge=merge)
 
     call, merger = extend.agree_merger(sharding.comm, prepare, like=query)
     opts, history, keep = call.payload

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +42,9 @@ class Sharding:
     # (index, device, tensor [index]) of the last decode step's token: every layer's
     token_memo: tuple | None = None
     layers: int = 0  # the cache's layer count: a step's outputs are allocated together
+    # a digest of the cache's batch operations and crops since it was made or reset, with
+    # their arguments: agreed at each step, so a rank that ran one alone raises on every rank
+    edits: int = 0
 
     def __post_init__(self):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
@@ -86,6 +90,11 @@ class Sharding:
         """Apply a batch operation ``select`` (reorder, repeat, select) to the per-row history."""
         if self.history is not None:
             self.history = select(self.history)
+
+    def edited(self, *what):
+        """Fold one crop or batch operation (integers: its kind and arguments) into ``edits``."""
+        data = b"".join(int(x).to_bytes(8, "little", signed=True) for x in (self.edits, *what))
+        self.edits = int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
 
     @property
     def invariant(self):
@@ -480,26 +489,35 @@ class ShardedCache(Cache):
         the cropped-off range (``clone()`` what you keep across a crop).
         """
         super().crop(tokens_to_remove)
+        self.sharding.edited(1, self.get_seq_length())
         self.sharding.follow_rows(lambda history: history[:, : self.get_seq_length()])
 
     def reset(self):
         """Forget every token of every layer."""
         super().reset()
         self.sharding.history = None
+        self.sharding.edits = 0
 
     def reorder_cache(self, beam_idx):
         """Reorder the batch rows of every layer's shard as ``beam_idx`` says (beam search)."""
         super().reorder_cache(beam_idx)
+        self.sharding.edited(2, *beam_idx.tolist())
         self.sharding.follow_rows(lambda history: history[beam_idx.to(history.device)])
 
     def batch_repeat_interleave(self, repeats):
         """Repeat each batch row ``repeats`` times, next to it (before ``num_beams=repeats``)."""
         super().batch_repeat_interleave(repeats)
+        self.sharding.edited(3, repeats)
         self.sharding.follow_rows(lambda history: history.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices):
         """Keep the batch rows ``indices``, in that order."""
         super().batch_select_indices(indices)
+        if isinstance(indices, slice):
+            ends = (indices.start, indices.stop, indices.step)
+            self.sharding.edited(5, *(-(2**62) if x is None else x for x in ends))
+        else:
+            self.sharding.edited(4, *torch.as_tensor(indices).reshape(-1).tolist())
         self.sharding.follow_rows(lambda history: history[indices, ...])
 
     @property
