@@ -17,7 +17,7 @@ import socket
 import sys
 
 import numpy as np
-from helpers import atol, make_problem
+from helpers import atol, make_problem, report_failures
 from mpi4py import MPI
 
 import mpitree
@@ -122,14 +122,9 @@ def main():
     ring_library = "open mpi" in MPI.Get_library_version().lower()
     if chosen != auto_strategy(comm.size, native, nodes, rpn, ring_library):
         failures.append(f"auto ran {chosen!r}")
-    everyone = comm.allgather(failures)
-    if comm.rank == 0:
-        for rank, found in enumerate(everyone):
-            for line in found:
-                print(f"rank {rank}: {line}", flush=True)
-        if not any(everyone):
-            print(f"cluster_prog: {nodes} nodes x {rpn} ranks: all exact; auto ran {chosen}")
-    return 1 if any(everyone) else 0
+    return report_failures(
+        comm, failures, f"cluster_prog: {nodes} nodes x {rpn} ranks: all exact; auto ran {chosen}"
+    )
 
 
 if __name__ == "__main__":

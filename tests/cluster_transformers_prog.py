@@ -13,6 +13,7 @@ import sys
 
 import mpitree.adapters.transformers as mtt
 import torch
+from helpers import report_failures
 from models import greedy, prompt, tiny_llama
 from mpi4py import MPI
 
@@ -69,14 +70,9 @@ def main():
         check_speculative(model, ids, mask, ref, failures)
     except Exception as exc:  # mpitree raises on every rank alike
         failures.append(f"{type(exc).__name__}: {exc}")
-    everyone = comm.allgather(failures)
-    if comm.rank == 0:
-        for rank, found in enumerate(everyone):
-            for line in found:
-                print(f"rank {rank}: {line}", flush=True)
-        if not any(everyone):
-            print(f"cluster_transformers_prog: {comm.size} ranks: equal to one process")
-    return 1 if any(everyone) else 0
+    return report_failures(
+        comm, failures, f"cluster_transformers_prog: {comm.size} ranks: equal to one process"
+    )
 
 
 if __name__ == "__main__":

@@ -105,3 +105,15 @@ def gathered_identical(comm, x):
 
 def world():
     return MPI.COMM_WORLD
+
+
+def report_failures(comm, failures, success):
+    """Gather every rank's failures; rank 0 prints them (or ``success``); return the exit code."""
+    everyone = comm.allgather(failures)
+    if comm.rank == 0:
+        for rank, found in enumerate(everyone):
+            for line in found:
+                print(f"rank {rank}: {line}", flush=True)
+        if not any(everyone):
+            print(success, flush=True)
+    return 1 if any(everyone) else 0
