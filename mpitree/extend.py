@@ -35,7 +35,15 @@ Everything here is public and stable within a minor version; adapters in
 
 from ._agreed import agree_merger
 from ._checks import Problem, check_masking, check_qkv
-from ._guard import ENTRY_POINTS, Call, RankError, agree, check_comm, entry_point
+from ._guard import (
+    ENTRY_POINTS,
+    Call,
+    RankError,
+    agree,
+    check_comm,
+    entry_point,
+    flagged_allreduce,
+)
 from ._kernel import BoundLayer
 from ._local import attend, state_records
 from ._masks import visibility
@@ -69,6 +77,7 @@ __all__ = [
     "empty_records",
     "entry_point",
     "finish",
+    "flagged_allreduce",
     "invariant_pieces",
     "invariant_signature",
     "merge_records",
