@@ -27,8 +27,8 @@ import transformers
 from mpi4py import MPI
 from mpitree.adapters.transformers._attention import LayerStep
 
-from mpitree import _kernel, _merger, _plan
-from mpitree._plan import Attention
+from mpitree import _kernel, _merger
+from mpitree._step import Attention
 from mpitree._strategies import REGISTRY
 
 TIMES = defaultdict(list)
@@ -109,8 +109,8 @@ def main():
     for cls in REGISTRY.values():  # the collective and its failure flag
         cls.reduce = timed("collective", cls.reduce)
     Attention.fill = timed("kernel", Attention.fill)  # the unbound path
-    _plan.Prepared.run = timed("kernel", _plan.Prepared.run)  # a plan's bound kernel
-    _plan.Prepared.run_raw = timed("kernel", _plan.Prepared.run_raw)  # a layer's bound kernel
+    _kernel.Prepared.run = timed("kernel", _kernel.Prepared.run)  # a plan's bound kernel
+    _kernel.Prepared.run_raw = timed("kernel", _kernel.Prepared.run_raw)  # a layer's bound kernel
     if hasattr(_kernel, "BoundLayer"):  # a layer's one-call step
         _kernel.BoundLayer.fill = timed("kernel", _kernel.BoundLayer.fill)
     LayerStep.fill = timed("local", LayerStep.fill)  # a layer's checked step

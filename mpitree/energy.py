@@ -29,8 +29,8 @@ from ._agreed import agree_merger
 from ._guard import Call, check_comm, entry_point, flagged_allreduce
 from ._local import grouped_keep, quiet, weighted_values
 from ._namespace import Array, NumpyLike, is_array, namespace
-from ._plan import prepare_attention
 from ._state import lse_of, output_of
+from ._step import prepare_attention
 
 __all__ = ["attention_variance", "free_energy", "tree_energy"]
 

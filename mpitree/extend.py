@@ -50,8 +50,9 @@ from ._masks import visibility
 from ._merger import Merger, merger_for
 from ._namespace import namespace
 from ._options import INVARIANT, Options, acc_name, dtype_name
-from ._plan import Attention, KernelSlot, invariant_pieces, invariant_signature, prepare_attention
+from ._plan import invariant_pieces, invariant_signature
 from ._state import combine_records, empty_records, finish, merge_records
+from ._step import Attention, KernelSlot, prepare_attention
 from ._strategies import op_needed, resolve
 
 __all__ = [

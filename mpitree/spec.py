@@ -29,8 +29,8 @@ from ._agreed import agree_merger
 from ._checks import check_qkv
 from ._guard import Call, check_comm, entry_point
 from ._namespace import Array, is_array, namespace
-from ._plan import prepare_attention
 from ._state import State, combine_records, finish
+from ._step import prepare_attention
 
 __all__ = ["Packed", "dedup_prefix", "greedy_accept", "pack", "unpack", "verify_attention"]
 

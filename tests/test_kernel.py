@@ -182,12 +182,12 @@ def check_kernel_slot(monkeypatch, share, double):
     and new strides, heads or dtype (``double``: a float64 query of the bound shape,
     never run through the float32 binding) rebind it.
     """
-    from mpitree import _plan, extend
+    from mpitree import _step, extend
 
     rng = np.random.default_rng(5)
     slot, binds = extend.KernelSlot(), []
-    real_of = _plan.Prepared.of
-    monkeypatch.setattr(_plan.Prepared, "of", lambda *a: binds.append(1) or real_of(*a))
+    real_of = _step.Prepared.of
+    monkeypatch.setattr(_step.Prepared, "of", lambda *a: binds.append(1) or real_of(*a))
     kbuf, vbuf = rng.standard_normal((2, 2, 2, 40, 16)).astype(np.float32)
     wide = rng.standard_normal((2, 2, 40, 20)).astype(np.float32)[..., :16]  # other strides
     cases = [(kbuf[:, :, :t], vbuf[:, :, :t]) for t in (10, 11, 12)]  # a growing cache

@@ -1,0 +1,165 @@
+"""One rank's local attention step: checked arguments, the Attention it computes, a bound kernel."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._checks import check_finite, check_masking, check_qkv
+from ._kernel import Prepared
+from ._local import attend
+from ._masks import visibility
+from ._namespace import NumpyLike
+from ._options import Options, dtype_name, resolve_scale
+
+_HOST = NumpyLike("numpy", np)
+
+
+def checksum(ns, x):
+    """Return a cheap CRC-32 of an array's values, to check every rank holds the same ``q``."""
+    return zlib.crc32(np.ascontiguousarray(ns.to_numpy(x)).view(np.uint8))
+
+
+@dataclass
+class Attention:
+    """One rank's validated share of an attention step: what a merger asks it to compute."""
+
+    ns: object
+    q: object
+    k: object
+    v: object
+    scale: float
+    lens: object = None
+    vis: object = None
+
+    @property
+    def q_len(self):
+        """``Sq``."""
+        return int(self.q.shape[2])
+
+    def fill(self, records):
+        """Write this shard's state into host records ``(rows, D + 2)``."""
+        attend(
+            self.ns, self.q, self.k, self.v, self.scale, self.lens, self.vis, self._rows(records)
+        )
+
+    def _rows(self, records):
+        """Return records viewed as ``(B, Hq, Sq, D + 2)``."""
+        return records.reshape(*(int(s) for s in self.q.shape[:3]), records.shape[-1])
+
+    def block(self):
+        """Return the shard as contiguous host arrays for the ring: k, v, int64 lengths, vis."""
+        k, v = (np.ascontiguousarray(self.ns.to_numpy(x)) for x in (self.k, self.v))
+        t = k.shape[2]
+        if self.lens is None:
+            lens = np.full(k.shape[0], t, np.int64)
+        else:
+            lens = np.ascontiguousarray(self.ns.to_numpy(self.lens), dtype=np.int64)
+        vis = None if self.vis is None else np.ascontiguousarray(self.ns.to_numpy(self.vis))
+        return k, v, lens, vis
+
+    def attend_block(self, k, v, lens, vis, out):
+        """Write the state of q over another rank's block into ``out`` records."""
+        q = np.ascontiguousarray(self.ns.to_numpy(self.q)).astype(k.dtype, copy=False)
+        attend(_HOST, q, k, v, self.scale, lens, vis, self._rows(out))
+
+
+class KernelSlot:
+    """The compiled kernel's bound arguments for one caller's recurring layout (one per layer).
+
+    :meth:`fill` is :meth:`Attention.fill`, except that a checked step over host
+    float32 inputs (numpy, or CPU torch tensors shared without a copy) with no
+    lengths, positions or mask, a few query rows and the same shapes, strides and
+    scale as the slot's previous step reuses its bound kernel arguments: a decode
+    loop over a cache that grows in place pays the kernel call alone.
+    """
+
+    __slots__ = ("_key", "_out", "_prepared", "_size")
+
+    def __init__(self):
+        self._key, self._prepared, self._size, self._out = None, None, 0, (None, 0)
+
+    def fill(self, att, records):
+        """Write ``att``'s state into host records ``(rows, D + 2)``, as :meth:`Attention.fill`."""
+        ns = att.ns
+        if (
+            att.lens is not None
+            or att.vis is not None
+            or att.q_len > 16
+            or records.dtype != np.float32
+            or not records.flags.c_contiguous
+            or not ns.on_host(att.q)
+            or dtype_name(att.k.dtype) != "float32"
+        ):
+            att.fill(records)
+            return
+        layouts = [ns.host_layout(x) for x in (att.q, att.k, att.v)]
+        if None in layouts:
+            att.fill(records)
+            return
+        (qp, qs, qst), (kp, ks, kst), (vp, vs, vst) = layouts
+        key = (ns.name, att.q.dtype, att.v.dtype, qs, qst, ks[:2], kst, vst, att.scale)
+        if key != self._key:
+            arrays = (ns.to_numpy(x) for x in (att.q, att.k, att.v))
+            self._key, self._prepared = key, Prepared.of(*arrays, att.scale)
+            self._size = math.prod(qs[:3]) * (qs[3] + 2)
+        if self._prepared is None or vs[2] != ks[2] or records.size != self._size:
+            att.fill(records)
+            return
+        if records is not self._out[0]:  # a merger hands the same buffer every step
+            self._out = (records, records.ctypes.data)
+        self._prepared.run_raw(qp, kp, vp, ks[2], self._out[1])
+
+    def __deepcopy__(self, memo):
+        """Return an unbound slot: bound arguments hold raw pointers."""
+        return KernelSlot()
+
+
+def local_attention(q, k, v, kv_len, q_pos, k_pos, mask, scale):
+    """Check one rank's attention arguments; return its (Problem, Attention)."""
+    ns, problem, t = check_qkv(q, k, v)
+    kv_len, q_pos, k_pos, mask = check_masking(ns, problem, t, kv_len, q_pos, k_pos, mask)
+    lens, vis = visibility(ns, problem.batch, problem.q_len, t, kv_len, q_pos, k_pos, mask)
+    scale = resolve_scale(scale, problem.head_dim)
+    return problem, Attention(ns, q, k, v, scale, lens, vis)
+
+
+def validated(step, signature):
+    """Validate mode: check q, k, v are finite; add q's checksum to the signature."""
+    check_finite(step.ns, {"q": step.q, "k": step.k, "v": step.v})
+    signature["q (checksum)"] = checksum(step.ns, step.q)
+    return signature
+
+
+def prepare_attention(q, k, v, kv_len, q_pos, k_pos, mask, options):
+    """Local checks of one attention call; return (Problem, Options, Attention, signature)."""
+    problem, step = local_attention(q, k, v, kv_len, q_pos, k_pos, mask, options.get("scale"))
+    options = Options.resolve(problem.head_dim, **options)
+    signature = {**problem.signature(), **options.signature()}
+    if options.validate:
+        validated(step, signature)
+    return problem, options, step, signature
+
+
+def _layout(q, k, v, kv_len):
+    """Return what a validated step's checks depend on but T; None if not all numpy.
+
+    Two steps with equal layouts pass the same checks (shapes, dtypes, strides, the
+    kind of ``kv_len``) as long as K and V have the same length: a plan re-validates
+    only when the layout changes.
+    """
+    if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
+        return None
+    lens = None
+    if kv_len is not None:
+        if type(kv_len) is not np.ndarray:
+            return None
+        lens = (kv_len.dtype, kv_len.shape)
+    ks, vs = k.shape, v.shape
+    return (
+        q.dtype, k.dtype, v.dtype, q.shape, q.strides, ks[:2], ks[3:], vs[:2], vs[3:],
+        k.strides, v.strides, lens,
+    )  # fmt: skip
