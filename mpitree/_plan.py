@@ -16,7 +16,8 @@ from ._agreed import agree_merger
 from ._checks import Problem
 from ._guard import Call, agree, check_comm, entry_point
 from ._invariant import check_placement, leaf_records, local_pieces
-from ._kernel import Prepared, kernel_isa
+from ._invariant_step import _placement_unused, invariant_pieces, invariant_signature
+from ._kernel import Prepared
 from ._local import BLOCK_SCORES
 from ._namespace import Array
 from ._options import INVARIANT, NODE_SIZE_ENV, Options, dtype_name
@@ -25,24 +26,6 @@ from ._state import State, finish
 from ._step import _layout, local_attention, prepare_attention, validated
 
 FAST_PATH = True  # plans skip re-validating an unchanged layout (False: benchmarks, tests)
-
-
-def invariant_signature(signature):
-    """Invariant mode: add the local kernel's build, whose bits every rank must share."""
-    signature["kernel"] = kernel_isa()
-    return signature
-
-
-def invariant_pieces(step, block_size, kv_start, kv_blocks, acc):
-    """Invariant mode: this shard's leaf states reduced to its canonical-tree pieces."""
-    blocks = check_placement(int(step.k.shape[2]), block_size, kv_start, kv_blocks)
-    return local_pieces(blocks, leaf_records(step, block_size, len(blocks), acc))
-
-
-def _placement_unused(kv_start, kv_blocks, records=None):
-    """Raise if a placement is given outside invariant mode (``records``: a merge's, unused)."""
-    if kv_start is not None or kv_blocks is not None:
-        raise ValueError("kv_start and kv_blocks are only used with deterministic='invariant'")
 
 
 def _staged(x):

@@ -44,13 +44,13 @@ from ._guard import (
     entry_point,
     flagged_allreduce,
 )
+from ._invariant_step import invariant_pieces, invariant_signature
 from ._kernel import BoundLayer
 from ._local import attend, state_records
 from ._masks import visibility
 from ._merger import Merger, merger_for
 from ._namespace import namespace
 from ._options import INVARIANT, Options, acc_name, dtype_name
-from ._plan import invariant_pieces, invariant_signature
 from ._state import combine_records, empty_records, finish, merge_records
 from ._step import Attention, KernelSlot, prepare_attention
 from ._strategies import op_needed, resolve

@@ -1,0 +1,24 @@
+"""Invariant mode's share of a step: the kernel build to agree on, a shard's canonical pieces."""
+
+from __future__ import annotations
+
+from ._invariant import check_placement, leaf_records, local_pieces
+from ._kernel import kernel_isa
+
+
+def invariant_signature(signature):
+    """Invariant mode: add the local kernel's build, whose bits every rank must share."""
+    signature["kernel"] = kernel_isa()
+    return signature
+
+
+def invariant_pieces(step, block_size, kv_start, kv_blocks, acc):
+    """Invariant mode: this shard's leaf states reduced to its canonical-tree pieces."""
+    blocks = check_placement(int(step.k.shape[2]), block_size, kv_start, kv_blocks)
+    return local_pieces(blocks, leaf_records(step, block_size, len(blocks), acc))
+
+
+def _placement_unused(kv_start, kv_blocks, records=None):
+    """Raise if a placement is given outside invariant mode (``records``: a merge's, unused)."""
+    if kv_start is not None or kv_blocks is not None:
+        raise ValueError("kv_start and kv_blocks are only used with deterministic='invariant'")
