@@ -14,39 +14,77 @@ from ._options import dtype_name
 _LN2 = math.log(2.0)
 
 
-def _weights(ns, m_parts, m):
-    """Return ``exp(m_part - m)``, with the shift 0 where ``m`` is -inf (every part empty)."""
+def merge_weights(m_parts, m, exp=None):
+    """Return ``exp(m_part - shift)``: steps 2 and 3 of :func:`combine_records`.
+
+    ``shift`` is ``m``, or 0 where ``m`` is -inf (every part empty). ``exp`` is the
+    exponential to use (default: the arrays' framework's own).
+    """
+    ns = namespace(m_parts, m)
     shift = ns.where(ns.isneginf(m), 0, m)
-    return ns.exp(m_parts - shift)[..., None]
+    return (ns.exp if exp is None else exp)(m_parts - shift)
 
 
-def combine_records(a, b):
-    """Merge two record arrays ``(..., D + 2)`` laid out as ``[m, d, n_0..n_{D-1}]``.
+def combine_records(a, b, exp=None):
+    """Merge two record arrays: the one definition of the (m, d, n) merge.
 
-    The one definition of the merge (the compiled MPI op computes the same):
-    ``m = max(ma, mb)`` with NaN winning, each side scaled by ``exp(m_side - m)``
-    (shift 0 where both are empty), nothing skipped. So the empty state
-    (``m = -inf, d = 0, n = 0``) is the identity, a NaN anywhere in a record
-    survives the merge, and a NaN ``m`` (a NaN score) makes every field NaN.
-    Associative and commutative. numpy, CuPy or torch (any device).
+    Every other copy derives from or is held bit for bit to this function: the
+    numpy fallback op (``_op.python_op``) and the torch staircase call it; the
+    ``allreduce3`` strategy and :func:`merge_records` use its weights
+    (:func:`merge_weights`); the compiled MPI op (``_native.c``, ``combine_*``) is
+    tested against it bit for bit (``tests/test_merge_definition.py``).
+
+    Record layout: ``(..., D + 2)`` as ``[m, d, n_0..n_{D-1}]``, float32 or float64;
+    every step rounds in the records' dtype. Order of operations:
+
+    1. ``m = max(ma, mb)``, NaN winning;
+    2. ``shift = m``, or 0 where ``m`` is -inf (both sides empty);
+    3. ``wa = exp(ma - shift)``, ``wb = exp(mb - shift)`` (one rounded subtraction,
+       one exp each);
+    4. each of ``d, n_0..n_{D-1}`` is ``wa * a + wb * b``: two rounded products,
+       then one rounded sum, never a fused multiply-add. Where ``m`` is finite the
+       larger side's weight is ``exp(0) = 1``: its fields enter unchanged.
+
+    What follows: the empty state (``m = -inf, d = 0, n = 0``) is the identity, and
+    two empties give the empty state, never NaN (``exp(-inf - 0) = 0``). Nothing is
+    skipped, so a NaN anywhere in a record survives the merge (``0 * NaN = NaN``);
+    a NaN ``m`` (a NaN score) makes every field NaN, and so does an ``m`` of +inf
+    (an overflowing score: ``exp(inf - inf)`` is NaN). Commutative bit for bit
+    (wherever no NaN payload is involved), associative up to rounding.
+
+    Parameters
+    ----------
+    a, b : array
+        ``(..., D + 2)`` records, numpy, CuPy or torch (any device), broadcast-compatible.
+    exp : callable, optional
+        The exponential of step 3 (default: the arrays' framework's own). The only
+        step whose bits depend on the library: numpy, torch and the C library's
+        ``exp``/``expf`` differ in the last place; given the same exp, every copy
+        of the merge gives the same bits.
+
+    Returns
+    -------
+    array
+        ``(..., D + 2)`` merged records, same framework and dtype.
     """
     ns = namespace(a, b)
     m = ns.maximum(a[..., :1], b[..., :1])
-    rest = (
-        _weights(ns, a[..., 0], m[..., 0]) * a[..., 1:]
-        + _weights(ns, b[..., 0], m[..., 0]) * b[..., 1:]
-    )
-    return ns.concat([m, rest], -1)
+    wa = merge_weights(a[..., :1], m, exp)
+    wb = merge_weights(b[..., :1], m, exp)
+    return ns.concat([m, wa * a[..., 1:] + wb * b[..., 1:]], -1)
 
 
 def merge_records(parts, axis=0):
     """Merge records stacked along ``axis`` in one pass (fixed order: bitwise reproducible).
 
-    The same definition as :func:`combine_records`, over many parts at once.
+    :func:`combine_records` over many parts at once: ``m`` is the max of all
+    parts, each part is weighted by :func:`merge_weights`, and the weighted
+    fields are summed along ``axis`` in index order (for two parts, the same bits
+    as :func:`combine_records`).
     """
     ns = namespace(parts)
     m = parts[..., 0].max(axis=axis)
-    w = _weights(ns, parts[..., 0], ns.xp.expand_dims(m, axis))
+    w = merge_weights(parts[..., 0], ns.xp.expand_dims(m, axis))[..., None]
     return ns.concat([m[..., None], (w * parts[..., 1:]).sum(axis=axis)], -1)
 
 

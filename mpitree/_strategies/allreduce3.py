@@ -1,10 +1,17 @@
-"""``allreduce3``: the paper's Algorithm 3, MPI_Allreduce(MAX) of m, then SUMs of d and n."""
+"""``allreduce3``: the paper's Algorithm 3, MPI_Allreduce(MAX) of m, then SUMs of d and n.
+
+The merge of :func:`~mpitree._state.combine_records` spread over three built-in
+reductions: the max of step 1, the weights of steps 2 and 3
+(:func:`~mpitree._state.merge_weights`), the products and sum of step 4 (for two
+ranks, the same bits; tests/test_merge_definition.py).
+"""
 
 from __future__ import annotations
 
 import numpy as np
 from mpi4py import MPI
 
+from .._state import merge_weights
 from .._traffic import traffic
 from . import Strategy, flagged, register, set_flag
 
@@ -28,7 +35,7 @@ class Allreduce3(Strategy):
         if not np.isneginf(m[-1]):
             buf[-1, 0] = m[-1]
             return True
-        w = np.exp(m_local - np.where(np.isneginf(m), 0, m))
+        w = merge_weights(m_local, m)
         d = buf[:, 1] * w
         n = buf[:, 2:] * w[:, None]
         traffic.add(d.nbytes)

@@ -1,0 +1,245 @@
+"""One merge definition: every copy of the (m, d, n) combine equals combine_records, bit for bit.
+
+The copies: the compiled op (``_native.c``, through ``mpitree_combine`` and through
+the MPI op ``record_op`` registers), the numpy fallback op (``_op.python_op``),
+``allreduce3``'s three reductions, ``merge_records`` (allgather, ring) and the torch
+merge of sharded prefill's staircase. All follow the definition's order of
+operations. The one library-dependent step is the exponential: numpy's, torch's
+and the C library's ``exp``/``expf`` differ in the last place on many inputs, so
+each copy is compared with ``combine_records`` evaluated with that copy's own
+exponential (``exp=``), and then every bit must agree. NaN payloads are not
+compared (the C op writes a fresh NaN where numpy keeps an operand's), NaN
+positions are.
+
+The records hold every kind of row: ordinary, equal maxima on both sides, empty
+(-inf, 0, 0), empty with a NaN value, NaN score (all NaN), a NaN value among finite
+scores, an overflowed score (m = +inf with NaN d and n, what a kernel gives), maxima
+of +/-1e30 (float32) or +/-1e300 (float64), values near the dtype's largest
+(overflow to inf) and subnormal values.
+"""
+
+import ctypes
+import ctypes.util
+import math
+import threading
+import types
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from mpitree import _op, extend
+from mpitree._library import native_lib
+from mpitree._state import combine_records, merge_records
+from mpitree._strategies.allreduce3 import Allreduce3
+
+DTYPES = (np.float32, np.float64)
+DIMS = (1, 7, 64)
+SEEDS = range(8)
+ROWS = 100  # every pair of kinds once
+KINDS = 10
+
+_libm = ctypes.CDLL(ctypes.util.find_library("m"))
+_libm.expf.restype, _libm.expf.argtypes = ctypes.c_float, [ctypes.c_float]
+
+
+def libm_exp(x):
+    """The C library's exp (float64) or expf (float32), elementwise: what the C op calls."""
+    fn = _libm.expf if x.dtype == np.float32 else math.exp
+    return np.array([fn(float(v)) for v in x.reshape(-1)], x.dtype).reshape(x.shape)
+
+
+def torch_exp(x):
+    """torch's exp of a numpy array, back as numpy."""
+    return torch.exp(torch.from_numpy(np.ascontiguousarray(x))).numpy()
+
+
+def records(seed, dim, dtype, side):
+    """``(ROWS, dim + 2)`` records; row i's kind is digit ``side`` of i, so two sides meet in
+    every pair of kinds (and the third in another order)."""
+    rng = np.random.default_rng([seed, dim, np.dtype(dtype).itemsize, side])
+    big_m = 1e30 if dtype == np.float32 else 1e300
+    huge = np.finfo(dtype).max * 0.75  # two of them with weight 1 overflow
+    tiny = np.finfo(dtype).smallest_subnormal
+    rec = np.empty((ROWS, dim + 2), dtype)
+    rec[:, 0] = rng.standard_normal(ROWS) * 3
+    rec[:, 1] = rng.random(ROWS) * 5 + 0.1
+    rec[:, 2:] = rng.standard_normal((ROWS, dim))
+    kind = (np.arange(ROWS) // KINDS**side + side) % KINDS
+
+    def rows(k):
+        return (kind == k).sum()
+
+    rec[(kind == 1) | (kind == 8), 0] = 2.0  # two such rows: equal maxima, weights exp(0)
+    rec[kind == 2] = 0
+    rec[kind == 2, 0] = -np.inf  # empty
+    rec[kind == 3] = 0
+    rec[kind == 3, 0] = -np.inf
+    rec[kind == 3, 2] = np.nan  # empty with a NaN value (weight 0 times NaN)
+    rec[kind == 4] = np.nan  # a NaN score poisons the row
+    rec[kind == 5, 1 + dim] = np.nan  # a NaN value among finite scores
+    rec[kind == 6, 0] = np.inf  # an overflowed score: the kernels give d, n NaN
+    rec[kind == 6, 1:] = np.nan
+    rec[kind == 7, 0] = rng.choice([-big_m, big_m], rows(7))
+    rec[kind == 8, 2:] = rng.choice([-huge, huge], (rows(8), dim))
+    rec[kind == 9, 2:] = rng.integers(-3, 4, (rows(9), dim)) * tiny
+    return rec
+
+
+@pytest.fixture(autouse=True)
+def quiet_invalid():
+    """inf - inf and 0 * inf are part of the cases: no RuntimeWarning (errors here)."""
+    with np.errstate(all="ignore"):
+        yield
+
+
+def assert_same_bits(got, want):
+    """Equal bit for bit, NaN payloads aside (NaN positions must match)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan), f"NaN at {np.argwhere(np.isnan(got) != nan)[:5]}"
+    uint = np.uint32 if got.dtype == np.float32 else np.uint64
+    diff = got.view(uint) != want.view(uint)
+    diff &= ~nan
+    assert not diff.any(), f"{diff.sum()} values differ, first at {np.argwhere(diff)[:5]}"
+
+
+cases = pytest.mark.parametrize(
+    "seed, dim, dtype", [(s, d, t) for t in DTYPES for d in DIMS for s in SEEDS]
+)
+
+
+def test_records_cover_every_kind():
+    """The generator pairs every kind with others, and hits each kind of result."""
+    a, b = records(1, 7, np.float64, 0), records(1, 7, np.float64, 1)
+    out = combine_records(a, b)
+    assert np.isnan(out[:, 0]).any() and np.isnan(out[:, 1:]).all(-1).any()
+    assert (np.isnan(out).any(-1) & ~np.isnan(out[:, 0])).any()  # a NaN value, finite m
+    assert (np.isfinite(a[:, 0]) & (a[:, 0] == b[:, 0])).any()  # equal maxima
+    assert np.isinf(out[:, 2:]).any() and (np.abs(out[:, 2:]) < np.finfo(out.dtype).tiny).any()
+    both_empty = np.isneginf(a[:, 0]) & np.isneginf(b[:, 0]) & ~np.isnan(a + b).any(-1)
+    assert both_empty.any() and (out[both_empty, 1:] == 0).all()
+
+
+@pytest.mark.skipif(native_lib() is None, reason="native op not built")
+@cases
+def test_c_op_is_the_definition(seed, dim, dtype):
+    """``mpitree_combine`` and the registered MPI op (the code MPI runs) give the definition's bits.
+
+    The C op skips the product by ``exp(0) = 1`` and the sum with ``b`` is written
+    ``b + s * a``: both exact rewrites of step 4. It differs only on a record with
+    ``m = +inf`` and finite fields, which no kernel produces (there the definition
+    gives NaN, the C op the +inf side's fields); the records hold the kernels' form.
+    """
+    a, b = records(seed, dim, dtype, 0), records(seed, dim, dtype, 1)
+    lib = native_lib()
+    for x, y in ((a, b), (b, a)):
+        want = combine_records(x, y, exp=libm_exp)
+        io = y.copy()
+        lib.mpitree_combine(8 * x.itemsize, x.ctypes.data, io.ctypes.data, ROWS, dim)
+        assert_same_bits(io, want)
+        rec, op = _op.record_op(dtype, dim + 2)
+        io = y.copy()
+        op.Reduce_local([x, ROWS, rec], [io, ROWS, rec])
+        assert_same_bits(io, want)
+
+
+@cases
+def test_numpy_fallback_op_is_the_definition(seed, dim, dtype):
+    """The Python MPI op used without the compiled library is combine_records itself."""
+    a, b = records(seed, dim, dtype, 0), records(seed, dim, dtype, 1)
+    op = _op.python_op(dtype, dim + 2)
+    try:
+        io = b.copy()
+        op.Reduce_local(a, io)
+    finally:
+        op.Free()
+    assert_same_bits(io, combine_records(a, b))
+
+
+@cases
+def test_torch_merge_is_the_definition(seed, dim, dtype):
+    """The staircase's torch merge (``extend.combine_records`` on tensors), with torch's exp."""
+    a, b = records(seed, dim, dtype, 0), records(seed, dim, dtype, 1)
+    got = extend.combine_records(torch.from_numpy(a), torch.from_numpy(b))
+    assert got.dtype == torch.from_numpy(a).dtype
+    assert_same_bits(got.numpy(), combine_records(a, b, exp=torch_exp))
+
+
+@cases
+def test_merge_records_of_two_is_the_definition(seed, dim, dtype):
+    """allgather's and the ring's many-part merge: for two parts, combine_records' bits."""
+    a, b = records(seed, dim, dtype, 0), records(seed, dim, dtype, 1)
+    assert_same_bits(merge_records(np.stack([a, b])), combine_records(a, b))
+
+
+class ThreadComm:
+    """``p`` ranks as threads of this process; Allreduce combines in rank order.
+
+    MAX is numpy's maximum (NaN wins; an MPI library's MAX need not propagate NaN,
+    so on real ranks a poisoned row's m may come out finite, its d and n NaN all
+    the same) and SUM adds rank 0, 1, ... in turn.
+    """
+
+    def __init__(self, rank, size, shared):
+        self.rank, self.size, self.shared = rank, size, shared
+
+    def Get_size(self):
+        return self.size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Allreduce(self, sendbuf, recvbuf, op):
+        assert sendbuf is MPI.IN_PLACE and op in (MPI.MAX, MPI.SUM)
+        slots, barrier = self.shared
+        slots[self.rank] = recvbuf.copy()
+        barrier.wait()
+        out = slots[0].copy()
+        for part in slots[1 : self.size]:
+            out = np.maximum(out, part) if op == MPI.MAX else out + part
+        barrier.wait()
+        recvbuf[...] = out
+
+
+def allreduce3(parts):
+    """Run the allreduce3 strategy's reduce on ``len(parts)`` thread ranks; return each buffer."""
+    size = len(parts)
+    shared = ([None] * size, threading.Barrier(size, timeout=30))
+    bufs = [np.concatenate([p, np.zeros((1, p.shape[1]), p.dtype)]) for p in parts]
+    errors = []
+
+    def rank(r):
+        try:
+            merger = types.SimpleNamespace(comm=ThreadComm(r, size, shared), buf=bufs[r])
+            with np.errstate(all="ignore"):  # a thread starts with numpy's default errstate
+                assert Allreduce3(merger).reduce(None, False) is False
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+            shared[1].abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [buf[:-1] for buf in bufs]
+
+
+@cases
+def test_allreduce3_is_the_definition(seed, dim, dtype):
+    """allreduce3's MAX, weights, products and SUM: two ranks give combine_records' bits,
+    three give merge_records' (the sum in rank order; a real MPI may order a sum of
+    three or more differently, within rounding)."""
+    a, b = records(seed, dim, dtype, 0), records(seed, dim, dtype, 1)
+    want = combine_records(a, b)
+    for got in allreduce3([a, b]):
+        assert_same_bits(got, want)
+    c = records(seed, dim, dtype, 2)
+    want = merge_records(np.stack([a, b, c]))
+    for got in allreduce3([a, b, c]):
+        assert_same_bits(got, want)
