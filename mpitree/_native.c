@@ -470,6 +470,8 @@ MPITREE_INLINE void block_chunk(const mpitree_attn_args *a, const float *qs, con
             const int64_t row = r0 + r;
             const int64_t hq = a->vis_heads > 1 ? h * g + row / sq : 0;
             const uint8_t *vr = a->vis + ((b * a->vis_heads + hq) * sq + row % sq) * a->t + c0;
+            if (!memchr(vr, 0, (size_t)cn))
+                continue; /* the row sees the whole chunk (a tree's cached prefix) */
             for (int64_t j = 0; j < cn; ++j) {
                 masked |= !vr[j];
                 s[j * rb + r] = vr[j] ? s[j * rb + r] : -INFINITY; /* garbage k never leaks */

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.testing import assert_allclose
 
+from mpitree import reference_attention
 from mpitree._kernel import (
     attend_native,
     kernel_isa,
@@ -139,6 +140,48 @@ def test_long_shards_cross_chunks(level, g, sq, dim):
         qa = np.abs(q).reshape(b, hkv, g * sq, dim)
         bound = float((qa @ np.abs(k).swapaxes(-1, -2)).max()) / np.sqrt(dim)
         close(*both(q, k, v, 1 / np.sqrt(dim), *args), dot_bound=bound)
+
+
+def tree_visibility(rng, b, heads, nodes, t):
+    """``(b, heads, nodes, t)`` bool: every cached key visible, the last ``nodes`` a random tree."""
+    vis = np.ones((b, heads, nodes, t), bool)
+    for i in range(b * heads):
+        parent = [-1] + [int(rng.integers(0, j)) for j in range(1, nodes)]
+        tree = np.eye(nodes, dtype=bool)
+        for j in range(1, nodes):
+            tree[j] |= tree[parent[j]]  # ancestor-or-self
+        vis.reshape(b * heads, nodes, t)[i, :, t - nodes :] = tree
+    return vis
+
+
+@pytest.mark.parametrize("g,nodes", [(4, 2), (4, 5), (4, 8), (1, 8), (3, 5), (2, 16)])
+@pytest.mark.parametrize("heads_mask", [False, True])
+def test_tree_rows_over_a_visible_prefix_match_float64(level, g, nodes, heads_mask):
+    """A draft tree's rows over a cache: the whole prefix visible, a tree mask on the last keys.
+
+    The kernel skips the per-key mask of a chunk that a row sees whole; the tree's own
+    keys straddle a chunk boundary (256), a hidden tree key holds NaN for the rows
+    that do not see it, and a row block mixes rows that see it with rows that do not.
+    Checked against ``reference_attention`` in float64.
+    """
+    rng = np.random.default_rng([g, nodes, heads_mask, level])
+    b, hkv, dim, t = 2, 2, 128, 512 + nodes // 2
+    hq = hkv * g
+    q = rng.standard_normal((b, hq, nodes, dim)).astype(np.float32)
+    k = rng.standard_normal((b, hkv, t, dim)).astype(np.float32)
+    v = rng.standard_normal((b, hkv, t, dim)).astype(np.float32)
+    vis = tree_visibility(rng, b, hq if heads_mask else 1, nodes, t)
+    out = np.full((b, hq, nodes, dim + 2), np.nan, np.float32)
+    assert attend_native(q, k, v, 0.1, None, vis, out)
+    want, lse = reference_attention(q, k, v, scale=0.1, visible=vis)
+    assert_allclose(out[..., 0] + np.log(out[..., 1]), lse, atol=2e-5, rtol=0)
+    assert_allclose(out[..., 2:] / out[..., 1:2], want, atol=2e-5, rtol=0)
+    # the last key is seen by its own node only: NaN there reaches no other row
+    v[:, :, -1] = np.nan
+    assert attend_native(q, k, v, 0.1, None, vis, out)
+    sees = np.broadcast_to(vis[..., -1], (b, hq, nodes))
+    assert np.isnan(out[..., 2:]).any(-1)[sees].all()
+    assert not np.isnan(out[~sees]).any()
 
 
 @pytest.mark.parametrize("g,sq", [(4, 1), (1, 1), (2, 3), (3, 2)])
