@@ -5,7 +5,7 @@ with T keys per rank, times side by side, interleaved, in one run (median over
 steps, slowest rank):
 
 - ``step``: ``plan.decode`` with the fast path (unchanged layout: no re-validation);
-- ``step (full checks)``: the same with ``mpitree._plan.FAST_PATH = False``
+- ``step (full checks)``: the same with ``mpitree._decode_plan.FAST_PATH = False``
   (what every step paid before the fast path);
 - ``kernel``: the C kernel alone on preallocated records;
 - ``merge``: one merge alone (the plan's merger, records already filled).
@@ -23,7 +23,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpitree import DecodePlan, _plan
+from mpitree import DecodePlan, _decode_plan
 from mpitree._kernel import Prepared, kernel_isa
 from mpitree._runtime import default_comm
 
@@ -40,11 +40,11 @@ def measure(comm, t, steps):
     records = np.empty((32, 130), np.float32)
 
     def full():
-        _plan.FAST_PATH = False
+        _decode_plan.FAST_PATH = False
         try:
             plan.decode(q, k, v)
         finally:
-            _plan.FAST_PATH = True
+            _decode_plan.FAST_PATH = True
 
     methods = {
         "step": lambda: plan.decode(q, k, v),

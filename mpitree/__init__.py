@@ -8,11 +8,12 @@ communicator and raises on every rank when any rank's input is invalid.
 """
 
 from . import energy, extend, model, spec
+from ._decode_plan import DecodePlan
 from ._guard import RankError
 from ._local import local_state
 from ._op import native_op_available
 from ._options import STRATEGIES
-from ._plan import DecodePlan, allreduce_state, tree_decode
+from ._plan import allreduce_state, tree_decode
 from ._reference import reference_attention
 from ._runtime import default_comm, set_blas_threads
 from ._state import State, combine

@@ -9,11 +9,11 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import __version__
+from .._decode_plan import DecodePlan
 from .._kernel import kernel_isa, native_kernel_available, read_seconds
 from .._local import local_state, state_records
 from .._namespace import namespace
 from .._op import native_op_available
-from .._plan import DecodePlan
 from .._runtime import default_comm, limit_blas_threads, ranks_on_node
 from .._traffic import traffic
 from ._display import NOISE, NOISE_NOTE, overhead, progress

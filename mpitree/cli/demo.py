@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
+from .._decode_plan import DecodePlan
 from .._local import local_state
 from .._op import native_op_available
-from .._plan import DecodePlan
 from .._reference import reference_attention
 from .._runtime import default_comm
 from ._display import NOISE, NOISE_NOTE, overhead, progress

@@ -1,0 +1,313 @@
+"""DecodePlan: a decode step agreed once for fixed shapes, reused across a decode loop."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ._agreed import agree_merger
+from ._checks import Problem
+from ._guard import Call, agree, check_comm, entry_point
+from ._invariant_step import _placement_unused, invariant_pieces, invariant_signature
+from ._kernel import Prepared
+from ._local import BLOCK_SCORES
+from ._namespace import Array
+from ._options import INVARIANT, Options
+from ._runtime import limit_blas_threads
+from ._state import finish
+from ._step import _layout, local_attention, validated
+
+FAST_PATH = True  # plans skip re-validating an unchanged layout (False: benchmarks, tests)
+
+
+class DecodePlan:
+    """A decode step for fixed shapes, reusable across a decode loop.
+
+    Construction is collective over ``comm``: one small agreement collective
+    checks that every rank agrees on the shapes, dtype, scale and strategy, and
+    the plan's merger preallocates the record buffer (and a persistent
+    ``MPI_Allreduce_init`` request where the MPI library supports it). Each
+    :meth:`decode` then pays only for local attention and one collective, which
+    also carries every rank's verdict on its own inputs. Free it with
+    :meth:`free` or a ``with`` block; a plan that is dropped frees its request
+    when it is collected.
+
+    Parameters
+    ----------
+    batch, q_heads, kv_heads, head_dim : int
+        ``B``, ``Hq``, ``Hkv`` (``Hq % Hkv == 0``) and ``D``.
+    q_len : int, optional
+        ``Sq``, query tokens per step (default 1).
+    dtype : dtype or str, optional
+        dtype of q, k, v: float16, bfloat16 (torch), float32 (default) or float64;
+        numpy, torch or a name.
+    comm : mpi4py.MPI.Intracomm, optional
+        Default: mpitree's private duplicate of ``COMM_WORLD``.
+    scale : float, optional
+        Logit scale, default ``1/sqrt(D)``.
+    strategy : str, optional
+        ``"auto"`` (default), ``"allreduce"``, ``"allreduce3"``, ``"allgather"``,
+        ``"ring"`` or ``"hierarchical"`` (see :func:`tree_decode`).
+    node_size : int, optional
+        For ``"hierarchical"`` (and ``"auto"``): ranks per node. Default
+        ``MPITREE_NODE_SIZE``, else 0 = the real nodes (MPI's shared-memory split);
+        a positive value imposes virtual nodes of that many consecutive ranks.
+    deterministic : bool or "invariant", optional
+        True: merge the ranks' states in a fixed (rank) order, so that repeated
+        runs with the same ranks and data are bitwise identical whatever order
+        messages arrive in (an all-gather of the states instead of an all-reduce).
+        ``"invariant"``: the same bits for any number of ranks and any placement
+        whose shard boundaries fall on multiples of ``block_size`` keys: leaf
+        states per block of keys merge over one canonical tree on global block
+        indices. Each step then needs ``kv_start`` or ``kv_blocks``, and
+        ``strategy`` must stay ``"auto"``.
+    block_size : int, optional
+        Keys per block in ``deterministic="invariant"`` mode (default 1024; a
+        block is one local-kernel call, so smaller blocks cost more local time);
+        must be left unset otherwise.
+    validate : bool, optional
+        Debug mode: every step also checks that q, k, v are finite and that q is the
+        same on every rank (a checksum, one extra small collective per step).
+
+    Attributes
+    ----------
+    strategy : str
+        The strategy that runs (``"auto"`` resolved, agreed by every rank).
+    problem : Problem
+        The agreed shapes and dtype.
+    """
+
+    @entry_point
+    def __init__(
+        self,
+        batch: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        q_len: int = 1,
+        dtype: Any = np.float32,
+        comm: MPI.Intracomm | None = None,
+        scale: float | None = None,
+        strategy: str = "auto",
+        node_size: int | None = None,
+        deterministic: bool | str = False,
+        validate: bool = False,
+        block_size: int | None = None,
+    ) -> None:
+        comm = check_comm(comm)
+
+        def prepare():
+            problem = Problem.of(batch, q_heads, kv_heads, head_dim, q_len, dtype)
+            options = Options.resolve(
+                problem.head_dim, strategy, scale, deterministic, node_size, validate,
+                block_size=block_size, invariant=True,
+            )  # fmt: skip
+            sig = {**problem.signature(), **options.signature()}
+            if options.deterministic == INVARIANT:
+                invariant_signature(sig)
+            merge = (problem.rows, problem.head_dim, problem.acc, options)
+            return Call(sig, (problem, options), merge=merge)
+
+        call, self._merger = agree_merger(comm, prepare, owned=True)
+        self.problem, self.options = call.payload
+        self.strategy = self._merger.strategy
+        self.comm = comm
+        self._ranks = comm.Get_size()  # for repr, which may run after MPI.Finalize()
+        limit_blas_threads()
+        self._lazy = _LazyStep(self)
+        self._fast = None  # (layout, Prepared) of the last step that ran the full checks
+
+    @property
+    def scale(self) -> float:
+        """The logit scale every rank agreed on."""
+        return self.options.scale
+
+    @property
+    def node_size(self) -> int:
+        """The virtual node size (0: real nodes) the plan's merges run on."""
+        return self.options.node_size
+
+    @entry_point
+    def decode(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        *,
+        kv_len: Array | None = None,
+        q_pos: Array | None = None,
+        k_pos: Array | None = None,
+        mask: Array | None = None,
+        return_lse: bool = False,
+        kv_start: int | None = None,
+        kv_blocks: Array | None = None,
+    ) -> Array | tuple[Array, Array]:
+        """Run one decode step; collective over the plan's communicator.
+
+        Parameters
+        ----------
+        q : array
+            ``(B, Hq, Sq, D)``, identical on every rank: numpy, or torch/CuPy/JAX.
+        k, v : array
+            ``(B, Hkv, T, D)``: this rank's shard; ``T`` may differ per rank and be 0.
+        kv_len, q_pos, k_pos, mask
+            As in :func:`mpitree.tree_decode`.
+        return_lse : bool, optional
+            Also return the log-sum-exp.
+        kv_start, kv_blocks
+            This shard's place in the sequence, in ``deterministic="invariant"``
+            mode only (give one): as in :func:`mpitree.tree_decode`.
+
+        Returns
+        -------
+        out : array
+            ``(B, Hq, Sq, D)`` in q's framework, dtype and device; 0 for rows that see
+            no key.
+        lse : array
+            ``(B, Hq, Sq)``, float32, natural log; -inf for rows that see no key.
+            Only with ``return_lse=True``.
+
+        Raises
+        ------
+        Exception
+            On every rank when any rank's inputs are invalid or do not match the
+            plan; the plan stays usable.
+        """
+        args = (q, k, v, kv_len, q_pos, k_pos, mask)
+        if self.options.deterministic == INVARIANT:
+            return self._invariant(args, kv_start, kv_blocks, return_lse)
+        if self.options.validate:
+            step = agree(self.comm, lambda: self._validated(args)).payload
+        else:
+            step = self._lazy
+            step.args, step.step = args, None
+        if kv_start is not None or kv_blocks is not None:  # refused inside the merge's guard
+            step = functools.partial(_placement_unused, kv_start, kv_blocks)
+        records = self._merger.merge(step)
+        return finish(records.reshape(*self.problem.row_shape, -1), q, return_lse, inputs=args[:3])
+
+    def _invariant(self, args, kv_start, kv_blocks, return_lse):
+        """One ``deterministic="invariant"`` step: leaves, pieces, the canonical tree."""
+        problem, opts = self.problem, self.options
+        checked = None
+        if opts.validate:
+            checked = agree(self.comm, lambda: self._validated(args)).payload
+
+        def local():
+            step = checked if checked is not None else self._step(args)
+            return invariant_pieces(step, opts.block_size, kv_start, kv_blocks, problem.acc)
+
+        records = self._merger.merge(local)
+        return finish(records.reshape(*problem.row_shape, -1), args[0], return_lse, inputs=args[:3])
+
+    def _step(self, args):
+        """Check one step's inputs against the plan; return its :class:`Attention`."""
+        problem, step = local_attention(*args, self.options.scale)
+        if problem != self.problem:
+            raise ValueError(f"inputs {problem} do not match the plan's {self.problem}")
+        return step
+
+    def _validated(self, args):
+        """Validate mode: the step's :class:`Call`, with finiteness and q's checksum."""
+        step = self._step(args)
+        sig = validated(step, {**self.problem.signature(), **self.options.signature()})
+        if self.options.deterministic == INVARIANT:
+            invariant_signature(sig)
+        return Call(sig, step)
+
+    def free(self) -> None:
+        """Release the plan's MPI request (buffers go with the object)."""
+        if self._merger is not None:
+            self._merger.free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+
+    def __repr__(self):
+        return f"DecodePlan({self.problem}, strategy={self.strategy!r}, ranks={self._ranks})"
+
+
+class _LazyStep:
+    """A plan step whose local checks run inside the merge's guard (no extra collective).
+
+    Fast path: when a step has the layout (:func:`_layout`) of the last step that
+    passed the full checks, and no positions or mask, only what can change within
+    a layout is checked (K and V lengths agree, ``kv_len`` in range) and the C
+    kernel runs with its prepared arguments. Any other step takes the full checks.
+    """
+
+    def __init__(self, plan):
+        self.plan, self.args, self.step = plan, None, None
+        self.q_len = plan.problem.q_len
+
+    def fill(self, records):
+        """Validate against the plan, then compute this shard's state."""
+        plan, args = self.plan, self.args
+        fast = plan._fast
+        if (
+            fast is not None
+            and FAST_PATH
+            and args[4] is None
+            and args[5] is None
+            and args[6] is None
+        ):
+            q, k, v, kv_len = args[:4]
+            if _layout(q, k, v, kv_len) == fast[0] and self._fast(
+                fast[1], q, k, v, kv_len, records
+            ):
+                return
+        plan._fast = None
+        self.step = plan._step(args)
+        self.step.fill(records)
+        self._prepare(records)
+
+    def _fast(self, prepared, q, k, v, kv_len, records):
+        """Run the prepared kernel if this step's length-dependent checks pass; else False."""
+        t = k.shape[2]
+        if v.shape[2] != t:
+            return False
+        if self.q_len > 1 and self.q_len > max(
+            1, BLOCK_SCORES // max(1, self.plan.problem.batch * self.plan.problem.q_heads * t)
+        ):
+            return False  # a prompt: attend() splits it into blocks of rows
+        lens = None
+        if kv_len is not None:
+            values = kv_len.tolist()
+            if min(values) < 0 or max(values) > t:
+                return False  # the full checks raise the error
+            lens = prepared.lens
+            lens[:] = values
+        prepared.run(q, k, v, lens, records)
+        return True
+
+    def _prepare(self, records):
+        """After a step passed the full checks: keep its layout and kernel arguments."""
+        plan, step = self.plan, self.step
+        q, k, v, kv_len, q_pos, k_pos, mask = self.args
+        if q_pos is not None or k_pos is not None or mask is not None:
+            return
+        layout = _layout(q, k, v, kv_len)
+        if layout is None or records.dtype != np.float32 or not records.flags.c_contiguous:
+            return
+        prepared = Prepared.of(q, k, v, step.scale)
+        if prepared is not None:
+            plan._fast = (layout, prepared)
+
+    def block(self):
+        """See :meth:`Attention.block`."""
+        if self.step is None:  # the fast path ran: the ring needs the checked step
+            self.step = self.plan._step(self.args)
+        return self.step.block()
+
+    def attend_block(self, *args):
+        """See :meth:`Attention.attend_block`."""
+        if self.step is None:
+            self.step = self.plan._step(self.args)
+        self.step.attend_block(*args)
