@@ -11,9 +11,9 @@ from . import energy, extend, model, spec
 from ._decode_plan import DecodePlan
 from ._guard import RankError
 from ._local import local_state
+from ._oneshot import allreduce_state, tree_decode
 from ._op import native_op_available
 from ._options import STRATEGIES
-from ._plan import allreduce_state, tree_decode
 from ._reference import reference_attention
 from ._runtime import default_comm, set_blas_threads
 from ._state import State, combine
