@@ -557,10 +557,10 @@ def generate_cases():
 
 
 CATALOGUE = {
-    "mpitree._plan.tree_decode": tree_decode_cases,
+    "mpitree._oneshot.tree_decode": tree_decode_cases,
     "mpitree._decode_plan.DecodePlan.__init__": plan_init_cases,
     "mpitree._decode_plan.DecodePlan.decode": plan_decode_cases,
-    "mpitree._plan.allreduce_state": allreduce_state_cases,
+    "mpitree._oneshot.allreduce_state": allreduce_state_cases,
     "mpitree.energy.tree_energy": lambda: energy_cases(energy.tree_energy),
     "mpitree.energy.attention_variance": lambda: energy_cases(energy.attention_variance),
     "mpitree.spec.verify_attention": verify_attention_cases,
