@@ -26,10 +26,10 @@ from mpi4py import MPI
 
 from mpitree import DecodePlan
 from mpitree._invariant import check_placement, leaf_records, local_pieces
+from mpitree._invariant_merger import InvariantMerger
 from mpitree._kernel import Prepared, kernel_isa
 from mpitree._runtime import default_comm
 from mpitree._step import local_attention
-from mpitree._strategies.invariant import InvariantMerger
 from mpitree._traffic import traffic
 
 HEAD_DIM = 128

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from ._guard import agree
+from ._invariant_merger import InvariantMerger
 from ._merger import Merger, merger_for
 from ._options import INVARIANT
 from ._strategies import resolve
-from ._strategies.invariant import InvariantMerger
 
 
 def agree_merger(comm, prepare, *, like=None, owned=False):

@@ -13,7 +13,7 @@ blocks); the pieces of all ranks travel once, and every rank finishes the same
 tree from the same operands in the same order. The result is therefore the same
 bits for any number of ranks and any block-aligned placement.
 
-No communication here: the all-gather is in ``_strategies/invariant.py``.
+No communication here: the all-gather is in ``_invariant_merger.py``.
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ import numpy as np
 from mpi4py import MPI
 
 from ._guard import raise_failure
+from ._invariant_merger import InvariantMerger
 from ._namespace import namespace
 from ._options import INVARIANT
 from ._state import empty_records
 from ._strategies import REGISTRY, free_requests
-from ._strategies.invariant import InvariantMerger
 
 _CACHE_SIZE = 16
 _keyval = None
@@ -123,7 +123,7 @@ def _delete(comm, keyval, cache):
 def merger_for(comm, rows, head_dim, acc, strategy, node_size=0, like=None):
     """Return the merger cached on ``comm`` for this problem, building it on first use.
 
-    ``strategy="invariant"`` gives an :class:`~._strategies.invariant.InvariantMerger`.
+    ``strategy="invariant"`` gives an :class:`~._invariant_merger.InvariantMerger`.
 
     Collective on first use (a persistent request, a node split); call it only
     after the agreement, with agreed arguments, on every rank. At most

@@ -29,6 +29,11 @@ kv_blocks, acc))`` returns the ``(rows, D + 2)`` records of the tree's root, and
 signature gains the kernel build (``extend.invariant_signature``). A call that
 merges nothing (``merge=None``) gets no merger: ``extend.agree`` alone is enough.
 
+Sharded prefill (each rank holds other queries) merges with two collectives of
+its own: ``allgather_rows`` hands every rank every rank's query rows, and
+``reduce_scatter_records`` merges each rank's partial states of all of them and
+hands every rank its own, a failure anywhere raising on every rank.
+
 Everything here is public and stable within a minor version; adapters in
 ``mpitree.adapters`` use nothing else of the core.
 """
@@ -51,6 +56,7 @@ from ._masks import visibility
 from ._merger import Merger, merger_for
 from ._namespace import namespace
 from ._options import INVARIANT, Options, acc_name, dtype_name
+from ._prefill_collectives import allgather_rows, reduce_scatter_records
 from ._state import combine_records, empty_records, finish, merge_records
 from ._step import Attention, KernelSlot, prepare_attention
 from ._strategies import op_needed, resolve
@@ -69,6 +75,7 @@ __all__ = [
     "acc_name",
     "agree",
     "agree_merger",
+    "allgather_rows",
     "attend",
     "check_comm",
     "check_masking",
@@ -86,6 +93,7 @@ __all__ = [
     "namespace",
     "op_needed",
     "prepare_attention",
+    "reduce_scatter_records",
     "resolve",
     "state_records",
     "visibility",

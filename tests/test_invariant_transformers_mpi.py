@@ -16,7 +16,7 @@ from models import float64_logits, greedy, prompt, tiny_llama
 from mpi4py import MPI
 from numpy.testing import assert_allclose
 
-from mpitree._strategies import invariant as strategy
+from mpitree import _invariant_merger as strategy
 
 NPROCS = [1, 2, 3, 4]
 BLOCK = 8

@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from mpitree import extend
-from mpitree._strategies.scatter import allgather_rows, reduce_scatter_records
 
 from . import _staircase as staircase
 
@@ -51,7 +50,7 @@ def sharded_attention(query, step):
     mine = np.zeros((own, agreed["batch"], agreed["q_heads"], agreed["head_dim"]), dtype=acc)
     if shape_ok and own <= sq:
         mine[...] = extend.namespace(query).to_numpy(query[:, :, :own].permute(2, 0, 1, 3))
-    every = allgather_rows(comm, mine, prefill_step.counts, b * hq * d)
+    every = extend.allgather_rows(comm, mine, prefill_step.counts, b * hq * d)
     rows = every.shape[0] * b * hq
     records = np.empty((rows, d + 2), dtype=acc)
 
@@ -74,7 +73,7 @@ def sharded_attention(query, step):
             ).numpy()
         out[...] = state.transpose(2, 0, 1, 3).reshape(rows, d + 2)
 
-    merged = reduce_scatter_records(comm, records, prefill_step.counts, b * hq, fill)
+    merged = extend.reduce_scatter_records(comm, records, prefill_step.counts, b * hq, fill)
     merged = merged.reshape(own, b, hq, d + 2).transpose(1, 2, 0, 3)
     inputs = (query, step.key, step.value)
     out = extend.finish(np.ascontiguousarray(merged), query, inputs=inputs)

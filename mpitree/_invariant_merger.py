@@ -1,6 +1,7 @@
-"""``deterministic="invariant"``: gather every rank's canonical-tree pieces, finish the tree.
+"""Invariant mode's merger: gather every rank's canonical-tree pieces, finish the tree.
 
-Not a :class:`~mpitree._strategies.Strategy`: a rank sends a varying number of
+The :class:`~mpitree._merger.Merger` of invariant mode (``merger_for`` hands it
+out), not a :class:`~mpitree._strategies.Strategy`: a rank sends a varying number of
 records (its pieces, O(log) per run of adjacent blocks), not one fixed set.
 Each rank sends ``capacity`` pieces after a 16-byte header (its failure flag
 and piece count) in one ``MPI_Allgather``. ``capacity`` is the largest count of
@@ -15,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from .._guard import raise_failure
-from .._invariant import canonical_root, pack, piece_bytes, unpack
-from .._traffic import traffic
+from ._guard import raise_failure
+from ._invariant import canonical_root, pack, piece_bytes, unpack
+from ._traffic import traffic
 
 _HEADER = 16  # bytes before a rank's pieces: its failure flag and piece count, two int64
 
