@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -70,7 +70,7 @@ def _visible(mask, queries, keys, length, batch, heads, sharded=False):
     included): the verdict must not depend on the placement.
     """
     if mask is None:  # transformers' convention: None means causal
-        return keys[None, None, None, :] <= queries[None, None, :, None]
+        return (keys[None, None, None, :] <= queries[None, None, :, None]).expand(batch, 1, -1, -1)
     if isinstance(mask, ShardMask):
         if mask.batch_size != batch:
             raise ValueError(f"mask built for batch {mask.batch_size}, inputs have {batch}")
@@ -96,19 +96,6 @@ def _visible(mask, queries, keys, length, batch, heads, sharded=False):
     if not torch.all(blocked | (local == 0)):
         raise ValueError("additive attention biases are not supported: use 0 / -inf or bool masks")
     return ~blocked
-
-
-@dataclass
-class Agreed:
-    """What every rank agreed on in a model step's first attention call."""
-
-    signature: dict
-    scale: float
-    merger: object  # the shared merger for the step's decode layers (None under prefill)
-    # visibility per (mask, shard length): every layer of a step shares it
-    visible: dict = field(default_factory=dict)
-    # the step's :class:`StepFast` once a layer asked for it (False: no layer runs fast)
-    fast: object = None
 
 
 def _signature(query, key, value, scaling, sharding, sharded):
@@ -182,7 +169,10 @@ def _new_signature(query, key, value, scaling, sharding, sharded):
 
 
 class LayerStep:
-    """One layer's local work, run inside the merge's guard: checks, mask, attention."""
+    """One layer's local work, run inside the merge's guard: checks, mask, attention.
+
+    ``agreed`` is the layer's model step (:class:`~._cache.Step`), agreed on.
+    """
 
     def __init__(self, view, query, key, value, mask, agreed, signature):
         self.view, self.query, self.key, self.value, self.mask = view, query, key, value, mask
@@ -318,7 +308,7 @@ def _refeed_error(view, positions):
 
 
 def _agree_step(sharding, view, query, key, value, mask, scaling, signature, positions):
-    """Run the step's one agreement (first attention call): checks, signature, merger."""
+    """Run the step's one agreement (its first attention call); fill ``view.step`` with it."""
 
     def prepare():
         if view.error is not None:
@@ -352,9 +342,9 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, signature, pos
     opts, history, keep = call.payload
     if not view.sharded:
         sharding.history = history
-    agreed = Agreed(signature, opts.scale, merger)
-    agreed.visible[_visible_key(mask, view)] = (mask, keep)  # the first layer's, computed above
-    return agreed
+    step = view.step
+    step.signature, step.scale, step.merger = signature, opts.scale, merger
+    step.visible[_visible_key(mask, view)] = (mask, keep)  # the first layer's, computed above
 
 
 # strategies whose merge needs only the filled records ("ring" asks for the shard itself)
@@ -600,17 +590,17 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
     view.error = view.error or error
     sharding = view.layer.sharding
     signature = None
-    if sharding.agreed is None:  # the step's first attention call: every rank is here
+    agreed = view.step
+    if agreed.signature is None:  # the step's first attention call: every rank is here
         signature = _signature(query, key, value, scaling, sharding, view.sharded)
         positions = _step_positions(kw, int(query.shape[0]), int(query.shape[2]))
         try:
-            sharding.agreed = _agree_step(
+            _agree_step(
                 sharding, view, query, key, value, attention_mask, scaling, signature, positions
             )
         except Exception:
             view.layer.rollback(view)  # a failed step leaves the cache as it was
             raise
-    agreed = sharding.agreed
     out = _fast_attention(view, query, key, value, attention_mask, scaling, agreed)
     if out is not None:
         return out, None

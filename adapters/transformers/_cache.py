@@ -17,6 +17,32 @@ from mpitree import extend
 PLACEMENTS = ("interleave", "last")
 
 
+class Step:
+    """One model step (a forward) over a :class:`ShardedCache`: what its layers share.
+
+    The cache begins a step at an update whose layer index is not above the last
+    update's: transformers updates every cached layer once a forward, in
+    increasing order, so a forward's first cached layer begins it, whatever its
+    index (a model whose layer 0 caches nothing included), and a prefill chunk or
+    a speculative verify forward is a step like any other. A step ends when the
+    next begins. Its first attention call runs the step's one agreement and fills
+    ``signature``, ``scale`` and ``merger``; every later layer is held to them.
+    """
+
+    __slots__ = ("fast", "index", "merger", "scale", "signature", "visible")
+
+    def __init__(self, index):
+        self.index = index  # the layer index of the step's last update
+        self.signature = None  # what every rank agreed on (None: no agreement yet)
+        self.scale = None
+        self.merger = None  # the shared merger for the step's layers (None under prefill)
+        # visibility per (mask, shard layout): every layer of a step shares it
+        self.visible = {}
+        # the step's one-call state (_attention.StepFast) once a layer asked for it;
+        # False: no layer runs its one call
+        self.fast = None
+
+
 @dataclass
 class Sharding:
     """Which rank stores which global token, shared by all layers of one cache."""
@@ -30,8 +56,8 @@ class Sharding:
     size: int = field(init=False)
     # the :class:`~._prefill.Prefill` step while :func:`prefill` runs this rank's chunk
     pending: object = None
-    # what all ranks agreed on in this model step's first attention (None: not yet)
-    agreed: object = None
+    # the current model step (see :meth:`begin`)
+    step: Step = field(init=False)
     # (B, length) int64: the model's position id of every cached token, per batch row; the
     # same on every rank (None: unknown, e.g. a model that passes no position_ids to attention)
     history: torch.Tensor | None = None
@@ -48,13 +74,23 @@ class Sharding:
 
     def __post_init__(self):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.step = Step(-1)
 
     def __deepcopy__(self, memo):
         """Copy the state and share the communicator (MPI communicators are never copied)."""
         twin = copy.copy(self)
-        twin.pending = twin.agreed = twin.captured = None
+        twin.pending = twin.captured = None
+        twin.step = Step(-1)
         twin.history = copy.deepcopy(self.history, memo)
         return twin
+
+    def begin(self, layer_idx):
+        """Return the :class:`Step` of an update of ``layer_idx``: a new one unless it increases."""
+        step = self.step
+        if layer_idx <= step.index:
+            step = self.step = Step(layer_idx)
+        step.index = layer_idx
+        return step
 
     def token(self, idx, device):
         """Return the int64 tensor ``[idx]`` on ``device``, one for every layer of a decode step."""
@@ -136,6 +172,7 @@ class View:
     queries: torch.Tensor  # (Sq,) int64 global indices of the queries this rank attends for
     sharded: bool  # True under :func:`prefill`: queries are every rank's chunk, rank-major
     start: int  # the layer's global length before this step
+    step: Step | None = None  # the model step the update belongs to
     error: Exception | None = None  # the cache update failed on this rank: raised in the guard
 
 
@@ -143,9 +180,8 @@ _handoff = threading.local()  # .view: the View of the last update in this threa
 
 
 def _hand_over(view):
-    """Leave ``view`` for the attention call that follows the update; return its keys."""
+    """Leave ``view`` for the attention call that follows the update."""
     _handoff.view = view
-    return view.keys
 
 
 def take_view(key):
@@ -223,9 +259,13 @@ class ShardedLayer(CacheLayerMixin):
             view = self._update(key_states, value_states)
         except Exception as exc:
             empty = torch.empty(0, dtype=torch.long)
-            view = View(key_states[:, :, :0], self, empty, False, self.length, exc)
-            return _hand_over(view), value_states[:, :, :0]
-        return _hand_over(view), self.values
+            view = View(key_states[:, :, :0], self, empty, False, self.length, error=exc)
+            keys, values = view.keys, value_states[:, :, :0]
+        else:
+            keys, values = view.keys, self.values
+        view.step = self.sharding.step
+        _hand_over(view)
+        return keys, values
 
     def _update(self, key_states, value_states):
         """:meth:`update`, raising on failure; return the step's :class:`View`."""
@@ -472,8 +512,7 @@ class ShardedCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Store this rank's share of the new K/V for ``layer_idx``; return the shard."""
-        if layer_idx == 0:  # a new model step: its first attention agrees afresh
-            self.sharding.agreed = None
+        self.sharding.begin(layer_idx)  # a new model step unless layer_idx increases
         if self.sharding.captured is not None:
             self.sharding.captured.append((key_states, value_states))
         while len(self.layers) <= layer_idx:

@@ -1,0 +1,74 @@
+"""ShardedCache's model step: it begins at a forward's first cached layer, whatever its index."""
+
+import mpitree.adapters.transformers as mtt
+import numpy as np
+import pytest
+import torch
+from helpers import world
+from numpy.testing import assert_allclose
+
+from mpitree import reference_attention
+
+B, HQ, HKV, D = 2, 4, 2, 8
+CACHED = (1, 3)  # the layers that cache: layer 0 (say a linear-attention layer) does not
+
+
+def tensors(seed, length):
+    """Query ``(B, Hq, length, D)``, new key and value ``(B, Hkv, length, D)``, on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HQ, length, D, generator=g)
+    k, v = (torch.randn(B, HKV, length, D, generator=g) for _ in range(2))
+    return q, k, v
+
+
+def forward(cache, seed, length, whole):
+    """One model step over the cached layers; check each layer against float64 attention.
+
+    ``whole[layer]`` holds every key and value fed so far (the unsharded cache).
+    """
+    start = cache.get_seq_length(CACHED[0]) if cache.layers else 0
+    for layer in CACHED:
+        q, k, v = tensors(seed + layer, length)
+        keys, values = cache.update(k, v, layer)
+        out, _ = mtt.attention_interface(None, q, keys, values, None)
+        before = whole.get(layer, (k[:, :, :0], v[:, :, :0]))
+        ks, vs = whole[layer] = torch.cat([before[0], k], 2), torch.cat([before[1], v], 2)
+        causal = np.arange(start + length) <= np.arange(start, start + length)[:, None]
+        want, _ = reference_attention(q.double(), ks.double(), vs.double(), visible=causal)
+        assert_allclose(out.transpose(1, 2).numpy(), want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parametrize("placement", mtt.PLACEMENTS)
+def test_steps_of_a_cache_whose_layer_0_caches_nothing_stay_exact(placement):
+    """A prompt then decode steps: each step agrees afresh though no update has layer_idx 0.
+
+    A step used to begin only at layer 0: the prompt's agreement (7 queries)
+    then held every decode step (1 query) to it, and the decode step raised.
+    """
+    cache = mtt.ShardedCache(placement=placement, block_size=2)
+    whole = {}
+    forward(cache, 0, 7, whole)
+    for step in range(1, 6):
+        forward(cache, 10 * step, 1, whole)
+    forward(cache, 100, 3, whole)  # a verify-sized step after decode steps
+    assert cache.get_seq_length(CACHED[0]) == 7 + 5 + 3
+    held = world().allgather(cache.layers[CACHED[0]].positions.tolist())
+    assert sorted(p for rank in held for p in rank) == list(range(15))
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_a_crop_on_one_rank_raises_on_every_rank_when_layer_0_caches_nothing():
+    """Each step agrees on the cache's length, also when its first cached layer is not 0.
+
+    A step used to begin only at layer 0: the first step's agreement held every
+    later one, so a crop on one rank merged states of different tokens silently.
+    """
+    cache = mtt.ShardedCache(block_size=2)
+    whole = {}
+    for step in range(6):  # every step one token: the same signature step after step
+        forward(cache, 10 * step, 1, whole)
+    if world().rank == world().size - 1:
+        cache.crop(-1)
+    with pytest.raises(ValueError, match=r"ranks disagree on .*cached tokens"):
+        forward(cache, 100, 1, whole)
