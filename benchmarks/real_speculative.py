@@ -9,8 +9,8 @@ Three tasks on a paragraph of Debian's Apache-2.0 license text: *copying* (repea
 prompt) and *nothing to copy* (write a story). For each, plain greedy
 ``model.generate`` over a ShardedCache and ``mtt.generate`` with ``PromptLookup`` run
 interleaved, after one warm-up each; the prompt's prefill is not timed. Reported:
-slowest rank's median decode tokens/s, tokens per step, and whether the tokens are
-identical (they must be).
+slowest rank's median decode tokens/s, tokens and verified tree nodes per step (a
+plain step verifies one node), and whether the tokens are identical (they must be).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def chat(tokenizer, text):
 
 
 def timed(model, ids, new, speculative, lookup):
-    """Prefill (untimed), then decode; return (sequences, seconds, steps or None)."""
+    """Prefill (untimed), then decode; return (sequences, seconds, steps, verified nodes)."""
     cache = mtt.ShardedCache(model.config)
     mtt.prefill(model, ids[:, :-1], cache)
     MPI.COMM_WORLD.Barrier()
@@ -50,12 +50,13 @@ def timed(model, ids, new, speculative, lookup):
     if speculative:
         out = mtt.generate(model, ids, cache, drafter=lookup, max_new_tokens=new)
         seqs, steps = out.sequences, len(out.committed) + 1
+        nodes = int(out.tree_nodes.sum()) + 1  # the prefill's last token: one node
     else:
         with torch.no_grad():
             seqs = model.generate(ids, cache=cache, max_new_tokens=new, do_sample=False)
-        steps = seqs.shape[1] - ids.shape[1]
+        steps = nodes = seqs.shape[1] - ids.shape[1]
     seconds = MPI.COMM_WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX)
-    return seqs, seconds, steps
+    return seqs, seconds, steps, nodes
 
 
 def main():
@@ -65,34 +66,39 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--draft-tokens", type=int, default=4, help="PromptLookup's depth")
     parser.add_argument("--draft-matches", type=int, default=4, help="its candidates per row")
+    parser.add_argument(
+        "--tasks", default=",".join(TASKS), help=f"comma-separated, from: {', '.join(TASKS)}"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = mtt.load()
     lookup = mtt.PromptLookup(num_tokens=args.draft_tokens, max_matches=args.draft_matches)
     rank, p = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
     rows = []
-    for task, text in TASKS.items():
-        ids = chat(tokenizer, text)
+    for task in args.tasks.split(","):
+        ids = chat(tokenizer, TASKS[task])
         times = {False: [], True: []}
         for repeat in range(args.repeats + 1):
             for speculative in (False, True):
-                seqs, seconds, steps = timed(model, ids, args.new_tokens, speculative, lookup)
+                run = timed(model, ids, args.new_tokens, speculative, lookup)
                 if repeat:  # the first round warms up
-                    times[speculative].append((seconds, seqs, steps))
+                    times[speculative].append(run)
         plain, spec = times[False], times[True]
-        new = plain[0][1].shape[1] - ids.shape[1]
-        tps = {k: new / statistics.median(s for s, _, _ in v) for k, v in times.items()}
-        same = all(torch.equal(s[1], plain[0][1]) for s in plain + spec)
-        rows.append((task, ids.shape[1], new, tps[False], tps[True], new / spec[0][2], same))
+        new = plain[0][0].shape[1] - ids.shape[1]
+        tps = {k: new / statistics.median(r[1] for r in v) for k, v in times.items()}
+        same = all(torch.equal(r[0], plain[0][0]) for r in plain + spec)
+        steps, nodes = (statistics.median(r[i] for r in spec) for i in (2, 3))
+        per, width = new / steps, nodes / steps
+        rows.append((task, ids.shape[1], new, tps[False], tps[True], per, width, same))
     if rank == 0:
         print(f"SmolLM2-135M-Instruct, {p} ranks, {args.new_tokens} new tokens at most, "
               f"median of {args.repeats} (slowest rank), PromptLookup(num_tokens="
               f"{args.draft_tokens}, max_matches={args.draft_matches})")  # fmt: skip
         print(f"{'task':<16}{'prompt':>7}{'new':>5}{'plain tok/s':>13}{'lookup tok/s':>14}"
-              f"{'ratio':>7}{'tok/step':>10}  tokens")  # fmt: skip
-        for task, plen, new, plain, spec, per, same in rows:
+              f"{'ratio':>7}{'tok/step':>10}{'nodes/step':>12}  tokens")  # fmt: skip
+        for task, plen, new, plain, spec, per, width, same in rows:
             print(f"{task:<16}{plen:>7}{new:>5}{plain:>13.1f}{spec:>14.1f}{spec / plain:>6.2f}x"
-                  f"{per:>10.2f}  {'identical' if same else 'DIFFER'}")  # fmt: skip
+                  f"{per:>10.2f}{width:>12.2f}  {'identical' if same else 'DIFFER'}")  # fmt: skip
 
 
 if __name__ == "__main__":

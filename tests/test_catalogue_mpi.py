@@ -520,7 +520,7 @@ class Drafted:
 
 
 def generate_cases():
-    def call(bad, change=None, cache=True, new=4, sample=None):
+    def call(bad, change=None, cache=True, new=4, sample=None, cost="auto"):
         m = model()
         ids, _ = prompt(9, False)
         sharded = mtt.ShardedCache(m.config, block_size=4)
@@ -531,6 +531,7 @@ def generate_cases():
             sharded if cache or not bad else None,
             drafter=Drafted(bad, change),
             max_new_tokens=new if bad else 4,
+            node_cost=cost if bad else "auto",
             **{**sampling, **(sample if bad and sample else {})},
         )
 
@@ -547,6 +548,9 @@ def generate_cases():
         "drafter raises": lambda bad: call(bad, raises),
         "not a ShardedCache": lambda bad: call(bad, cache=False),
         "max_new_tokens 0": lambda bad: call(bad, new=0),
+        "node_cost negative": lambda bad: call(bad, cost=-0.1),
+        "node_cost a string": lambda bad: call(bad, cost="fast"),
+        "node_costs differ": lambda bad: call(bad, cost=0.15),
         "negative temperature": lambda bad: call(bad, sample=dict(temperature=-1.0)),
         "top_p 0": lambda bad: call(bad, sample=dict(top_p=0.0)),
         "top_k negative": lambda bad: call(bad, sample=dict(top_k=-3)),

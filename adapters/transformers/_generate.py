@@ -9,6 +9,7 @@ import torch
 
 from mpitree import extend, spec
 
+from ._budget import Budget, check_node_cost
 from ._cache import ShardedCache
 from ._drafters import _positions
 from ._sampling import sampler_for
@@ -54,7 +55,9 @@ def _positive(name, value):
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def _check_start(model, input_ids, cache, drafter, max_new_tokens, attention_mask, sampling):
+def _check_start(
+    model, input_ids, cache, drafter, max_new_tokens, attention_mask, node_cost, sampling
+):
     """Validate :func:`generate`'s arguments; return the agreed signature and the sampler."""
     if not isinstance(cache, ShardedCache):
         raise TypeError(f"cache must be a ShardedCache, got {type(cache).__name__}")
@@ -65,6 +68,7 @@ def _check_start(model, input_ids, cache, drafter, max_new_tokens, attention_mas
             f"drafter needs a propose(tokens, attention_mask, depth) method: {drafter!r}"
         )
     _positive("max_new_tokens", max_new_tokens)
+    check_node_cost(node_cost)
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] < 1:
         raise ValueError("input_ids must be a (B, S) torch tensor with S >= 1")
     if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
@@ -94,6 +98,7 @@ def _check_start(model, input_ids, cache, drafter, max_new_tokens, attention_mas
     signature = {
         "input": (*input_ids.shape, cached),
         "max_new_tokens": max_new_tokens,
+        "node_cost": node_cost,  # the ranks' budgets must decide alike
         "prompt": _digest(input_ids, mask.long()),
         **agreed,
     }
@@ -133,45 +138,6 @@ def _draft(drafter, tokens, mask, depth, vocab):
         bad = beam[(beam < 0) | (beam >= vocab)]
         raise ValueError(f"the drafter proposed token ids outside [0, {vocab}): {bad[:8].tolist()}")
     return beam
-
-
-class _Budget:
-    """Whether a step drafts: only while drafts pay for their verification (an adaptive budget).
-
-    A step verifying ``L`` tree nodes costs about ``1 + node_cost * (L - 1)`` plain steps
-    (the dense layers are compute-bound beyond a few rows) and gains the accepted draft
-    tokens. Drafting goes on while the running mean of accepted tokens per drafted step
-    exceeds that extra cost; otherwise steps go plain, and a draft is tried again after
-    1, 2, 4, ... plain steps. Every input is the same on every rank (accepted counts,
-    tree sizes), so every rank decides alike, with no communication.
-    """
-
-    def __init__(self, node_cost):
-        self.node_cost, self.gain, self.nodes = node_cost, None, 1
-        self.wait, self.backoff = 0, 1
-
-    def drafts(self):
-        """Whether this step asks the drafter."""
-        if self.worthwhile:
-            return True
-        self.wait -= 1
-        return self.wait < 0
-
-    @property
-    def worthwhile(self):
-        """Whether drafting pays at the running acceptance (always, without a cost)."""
-        if self.node_cost is None or self.gain is None:
-            return True
-        return self.gain > self.node_cost * (self.nodes - 1)
-
-    def saw(self, accepted, nodes):
-        """Record a drafted step: tokens accepted from the draft, tree nodes verified."""
-        self.gain = accepted if self.gain is None else 0.5 * (self.gain + accepted)
-        self.nodes = nodes
-        if self.worthwhile:
-            self.backoff = 1
-        else:
-            self.wait, self.backoff = self.backoff, 2 * self.backoff
 
 
 class _Stops:
@@ -283,7 +249,7 @@ def generate(
     stop_strings=None,
     tokenizer=None,
     streamer=None,
-    node_cost=0.15,
+    node_cost="auto",
     do_sample=False,
     temperature=None,
     top_k=None,
@@ -337,12 +303,16 @@ def generate(
     streamer : transformers.generation.BaseStreamer, optional
         Gets ``put(prompt)``, then row 0's new tokens after every step, then
         ``end()`` (batch 1, as transformers' streamers), on the ranks that pass one.
-    node_cost : float or None, optional
+    node_cost : {"auto"} or float or None, optional
         The adaptive draft budget's cost of each verified tree node beyond the
-        first, in plain steps (0.15: SmolLM2-135M on a 2-core x86-64 VM, where a
-        13-row forward cost 2.8x a 1-row one). A step drafts only while the running
-        mean of accepted draft tokens exceeds ``node_cost * (nodes - 1)``, and
-        probes again after 1, 2, 4, ... plain steps. ``None``: draft every step.
+        first, in plain steps. ``"auto"`` (default): fitted from this call's
+        measured step times (a line of seconds against tree nodes, agreed as the
+        largest over the ranks; 0.15 until steps of different sizes were timed:
+        SmolLM2-135M on a 2-core x86-64 VM). A float fixes it. Each step verifies
+        the draft cut at the depth with the most expected tokens (from the running
+        acceptance at each depth) per unit of cost, or takes a plain step when no
+        depth pays, probing one token deep after 1, 2, 4, ... plain steps.
+        ``None``: verify the whole draft every step.
     do_sample : bool, optional
         Sample instead of greedy (default False: greedy).
     temperature : float, optional
@@ -400,7 +370,7 @@ def generate(
     """
     comm = extend.check_comm(getattr(cache, "comm", None))
     sampling = (do_sample, temperature, top_k, top_p, seed)
-    start = (model, input_ids, cache, drafter, max_new_tokens, attention_mask, sampling)
+    start = (model, input_ids, cache, drafter, max_new_tokens, attention_mask, node_cost, sampling)
     sampler = extend.agree(comm, lambda: _check_start(*start)).payload
     tokens = input_ids.long()
     b, s = tokens.shape
@@ -424,7 +394,7 @@ def generate(
     vocab = int(model.config.vocab_size)
     batch = torch.arange(b, device=tokens.device)
     steps = []
-    budget = _Budget(node_cost)
+    budget = Budget(node_cost, comm)
     while tokens.shape[1] < s + max_new_tokens and not stops.all_done:
         depth = s + max_new_tokens - tokens.shape[1] - 1 if budget.drafts() else 0
         beam = tokens.new_empty(b, 1, 0)
@@ -436,14 +406,16 @@ def generate(
                     {"draft": tuple(beam.shape), "draft tokens": _digest(tokens, beam)}, beam
                 )
 
-            beam = extend.agree(comm, prepare).payload
+            beam = budget.prune(extend.agree(comm, prepare).payload)
+        budget.start()
         if beam.shape[2]:
             new, m, nodes, accepted = _speculative_step(
                 model, cache, tokens, mask, beam, batch, sampler
             )
-            budget.saw(m - 1, nodes)
+            budget.saw(m - 1, beam.shape[2], nodes)
         else:  # nothing drafted: the plain decode step model.generate takes
             new, m, nodes, accepted = _plain_step(model, cache, tokens, mask, sampler)
+            budget.plain()
         tokens = torch.cat([tokens, new], 1)
         mask = torch.cat([mask, torch.ones_like(new)], 1)
         steps.append((accepted, m, nodes))

@@ -1,0 +1,105 @@
+"""The adaptive draft budget (transformers adapter): tree sizes, pruning, the cost's fit."""
+
+import pytest
+import torch
+from mpi4py import MPI
+from mpitree.adapters.transformers import _budget
+from mpitree.adapters.transformers._budget import Budget, check_node_cost, tree_nodes
+
+from mpitree import spec
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tree_nodes_equal_the_packed_length_at_every_depth(seed):
+    g = torch.Generator().manual_seed(seed)
+    beam = torch.randint(0, 3, (3, 4, 5), generator=g)  # few ids: many shared prefixes
+    root = torch.full((3, 4, 1), 7)
+    nodes = tree_nodes(beam)
+    for k in range(6):
+        packed = spec.pack(torch.cat([root, beam[:, :, :k]], -1))
+        assert nodes[k] == packed.tokens.shape[1], (k, nodes)
+
+
+def run(budget, steps, accept, depth=4, width=1):
+    """Drive ``budget`` over ``steps`` with a chain (or ``width`` chains) that gains ``accept``."""
+    seen = []
+    for _ in range(steps):
+        if not budget.drafts():
+            seen.append(0)
+            budget.start()
+            budget.plain()
+            continue
+        beam = torch.arange(width * depth).reshape(1, width, depth) + 1
+        cut = budget.prune(beam)
+        seen.append(cut.shape[2])
+        budget.start()
+        if cut.shape[2]:
+            budget.saw(min(accept, cut.shape[2]), cut.shape[2], tree_nodes(cut)[-1])
+        else:
+            budget.plain()
+    return seen
+
+
+def test_rejected_drafts_go_plain_and_probe_one_token_deep_after_doubling_waits():
+    seen = run(Budget(0.15, MPI.COMM_SELF), 16, accept=0)
+    assert seen == [4, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0], seen
+
+
+def test_accepted_drafts_keep_the_whole_depth():
+    assert run(Budget(0.15, MPI.COMM_SELF), 12, accept=4) == [4] * 12
+
+
+def test_the_cut_is_the_depth_of_most_tokens_per_cost():
+    budget = Budget(0.15, MPI.COMM_SELF)
+    budget.rates = [1.0, 0.5, 0.0, 0.0]  # gains 1, 1.5, 1.5, 1.5 at depths 1..4
+    # values 2/1.15, 2.5/1.3, 2.5/1.45, 2.5/1.6: depth 2
+    assert budget.prune(torch.arange(4).reshape(1, 1, 4)).shape[2] == 2
+    budget.cost = 2.0  # every node costs two plain steps: nothing pays
+    assert budget.prune(torch.arange(4).reshape(1, 1, 4)).shape[2] == 0
+    wide = torch.arange(16).reshape(1, 4, 4)  # four disjoint chains: 4 nodes a depth
+    budget.cost, budget.rates = 0.15, [1.0, 1.0, 1.0, 1.0]
+    # values (1 + k) / (1 + 0.6 k): 1.25, 1.36, 1.43, 1.47: the whole depth still pays
+    assert budget.prune(wide).shape[2] == 4
+    budget.cost = 0.3  # (1 + k) / (1 + 1.2 k) < 1 at every depth
+    assert budget.prune(wide).shape[2] == 0
+
+
+def test_every_step_budget_keeps_every_draft():
+    assert run(Budget(None, MPI.COMM_SELF), 8, accept=0) == [4] * 8
+
+
+def test_the_measured_cost_is_the_fitted_slope_per_one_node_step(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(_budget.time, "perf_counter", lambda: clock[0])
+    budget = Budget("auto", MPI.COMM_SELF)
+    assert budget.cost == _budget.PRIOR_COST
+    for nodes in [1, 5, 1, 9, 3, 1, 7, 2, 1, 4]:  # seconds = 0.05 + 0.01 * nodes
+        budget.start()
+        clock[0] += 0.05 + 0.01 * nodes
+        if nodes == 1:
+            budget.plain()
+        else:
+            budget.saw(nodes - 1, nodes - 1, nodes)
+    assert budget.cost == pytest.approx(0.01 / 0.06, rel=1e-9)
+
+
+def test_the_measured_cost_waits_for_steps_of_different_sizes(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(_budget.time, "perf_counter", lambda: clock[0])
+    budget = Budget("auto", MPI.COMM_SELF)
+    for _ in range(5):  # every step the same size: no slope to fit
+        budget.start()
+        clock[0] += 0.3
+        budget.saw(4, 4, 5)
+    assert budget.cost == _budget.PRIOR_COST
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [(-0.1, ValueError), (float("nan"), ValueError), ("fast", TypeError), (True, TypeError)],
+)
+def test_bad_node_costs_raise(bad, error):
+    with pytest.raises(error, match="node_cost"):
+        check_node_cost(bad)
+    for good in ("auto", None, 0, 0.15):
+        check_node_cost(good)
