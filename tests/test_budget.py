@@ -50,48 +50,66 @@ def test_accepted_drafts_keep_the_whole_depth():
 
 
 def test_the_cut_is_the_depth_of_most_tokens_per_cost():
-    budget = Budget(0.15, MPI.COMM_SELF)
+    budget = Budget(0.15, MPI.COMM_SELF)  # cost(L) = 1 + 0.15 (L - 1)
     budget.rates = [1.0, 0.5, 0.0, 0.0]  # gains 1, 1.5, 1.5, 1.5 at depths 1..4
     # values 2/1.15, 2.5/1.3, 2.5/1.45, 2.5/1.6: depth 2
     assert budget.prune(torch.arange(4).reshape(1, 1, 4)).shape[2] == 2
-    budget.cost = 2.0  # every node costs two plain steps: nothing pays
+    budget.base, budget.slope = -1.0, 2.0  # every node costs two plain steps: nothing pays
     assert budget.prune(torch.arange(4).reshape(1, 1, 4)).shape[2] == 0
     wide = torch.arange(16).reshape(1, 4, 4)  # four disjoint chains: 4 nodes a depth
-    budget.cost, budget.rates = 0.15, [1.0, 1.0, 1.0, 1.0]
+    budget.base, budget.slope, budget.rates = 0.85, 0.15, [1.0, 1.0, 1.0, 1.0]
     # values (1 + k) / (1 + 0.6 k): 1.25, 1.36, 1.43, 1.47: the whole depth still pays
     assert budget.prune(wide).shape[2] == 4
-    budget.cost = 0.3  # (1 + k) / (1 + 1.2 k) < 1 at every depth
+    budget.base, budget.slope = 0.7, 0.3  # (1 + k) / (1 + 1.2 k) < 1 at every depth
     assert budget.prune(wide).shape[2] == 0
+
+
+def test_a_costly_first_node_favours_deep_trees():
+    """With cost(L) = 1.6 + 0.04 L, a 1-deep tree of a 50 % drafter loses, a deep one wins."""
+    budget = Budget("auto", MPI.COMM_SELF)
+    budget.rates = [0.5, 1.0, 1.0, 1.0]  # gains 0.5, 1, 1.5, 2 at depths 1..4
+    chain = torch.arange(4).reshape(1, 1, 4)
+    # values 1.5/1.68, 2/1.72, 2.5/1.76, 3/1.8: depth 4
+    assert budget.prune(chain).shape[2] == 4
+    budget.rates = [0.5, 0.0, 0.0, 0.0]  # only 1.5/1.68 < 1 on offer: the plain step
+    assert budget.prune(chain).shape[2] == 0
 
 
 def test_every_step_budget_keeps_every_draft():
     assert run(Budget(None, MPI.COMM_SELF), 8, accept=0) == [4] * 8
 
 
-def test_the_measured_cost_is_the_fitted_slope_per_one_node_step(monkeypatch):
+def timed_steps(monkeypatch, budget, steps, seconds):
+    """Feed ``budget`` steps of ``steps[i]`` nodes taking ``seconds(nodes)`` (1 node: plain)."""
     clock = [0.0]
     monkeypatch.setattr(_budget.time, "perf_counter", lambda: clock[0])
-    budget = Budget("auto", MPI.COMM_SELF)
-    assert budget.cost == _budget.PRIOR_COST
-    for nodes in [1, 5, 1, 9, 3, 1, 7, 2, 1, 4]:  # seconds = 0.05 + 0.01 * nodes
+    for nodes in steps:
         budget.start()
-        clock[0] += 0.05 + 0.01 * nodes
+        clock[0] += seconds(nodes)
         if nodes == 1:
             budget.plain()
         else:
             budget.saw(nodes - 1, nodes - 1, nodes)
-    assert budget.cost == pytest.approx(0.01 / 0.06, rel=1e-9)
 
 
-def test_the_measured_cost_waits_for_steps_of_different_sizes(monkeypatch):
-    clock = [0.0]
-    monkeypatch.setattr(_budget.time, "perf_counter", lambda: clock[0])
+def test_the_measured_cost_is_the_verified_steps_line_over_the_plain_step(monkeypatch):
     budget = Budget("auto", MPI.COMM_SELF)
-    for _ in range(5):  # every step the same size: no slope to fit
-        budget.start()
-        clock[0] += 0.3
-        budget.saw(4, 4, 5)
-    assert budget.cost == _budget.PRIOR_COST
+    assert (budget.base, budget.slope) == (_budget.PRIOR_BASE, _budget.PRIOR_SLOPE)
+    # plain steps 0.05 s, verified ones 0.08 + 0.005 L: cost(L) = 1.6 + 0.1 L
+    steps = [1, 5, 1, 9, 3, 1, 7, 2, 1, 4]
+    timed_steps(monkeypatch, budget, steps, lambda n: 0.05 if n == 1 else 0.08 + 0.005 * n)
+    assert budget.base == pytest.approx(1.6, rel=1e-9)
+    assert budget.slope == pytest.approx(0.1, rel=1e-9)
+
+
+def test_the_measured_cost_keeps_the_prior_slope_until_tree_sizes_vary(monkeypatch):
+    budget = Budget("auto", MPI.COMM_SELF)
+    timed_steps(monkeypatch, budget, [5, 5, 5], lambda n: 0.3)  # no plain step yet: no fit
+    assert (budget.base, budget.slope) == (_budget.PRIOR_BASE, _budget.PRIOR_SLOPE)
+    timed_steps(monkeypatch, budget, [1, 5], lambda n: 0.1 if n == 1 else 0.3)
+    # every tree 5 nodes and 3 plain steps: the prior slope, the base through (5, 3)
+    assert budget.slope == pytest.approx(_budget.PRIOR_SLOPE)
+    assert budget.base == pytest.approx(3 - 5 * _budget.PRIOR_SLOPE)
 
 
 @pytest.mark.parametrize(

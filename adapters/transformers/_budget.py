@@ -1,17 +1,21 @@
 """The adaptive draft budget: how deep a draft is verified, from measured cost and acceptance.
 
-A verified tree of ``L`` nodes (the pending token included) costs about
-``1 + c * (L - 1)`` plain steps. ``c`` is fitted from the step times this run
-measured (a least-squares line of seconds against nodes, plain steps as one node),
-each rank's fit agreed as the largest over the ranks after every drafted step; or
-it is fixed by the caller. The expected tokens a step gains from a tree cut at
-depth ``k`` are ``sum_{j <= k} prod_{i <= j} q_i``, where ``q_i`` is the running
-rate at which the draft's token at depth ``i`` was accepted when the ones above it
-were. Each step keeps the depth with the most expected tokens per unit of cost
-(depth 0 is the plain step), so the drafter proposes and the budget prunes. When
-no depth pays, steps go plain and a one-deep probe is tried after 1, 2, 4, ...
-plain steps. Every input of a decision is the same on every rank (agreed drafts,
-accepted counts, the agreed cost), so the ranks decide alike.
+A verified tree of ``L > 1`` nodes (the pending token included) costs
+``cost(L) = base + slope * L`` plain steps (a plain step is one node and costs 1).
+A CPU's BLAS runs a 2-row matrix product at about twice a 1-row one and more rows
+at little more (SmolLM2-135M, one thread: 2 rows 1.68x, 13 rows 2.1x), so the line
+is fitted over verified steps only, against the mean plain step: a least-squares
+line of seconds against nodes, decayed, each rank's fit agreed as the largest over
+the ranks after every verified step (the slowest rank sets a step's pace). A fixed
+``node_cost`` c gives ``cost(L) = 1 + c * (L - 1)``. The expected tokens a step
+gains from a tree cut at depth ``k`` are ``sum_{j <= k} prod_{i <= j} q_i``, where
+``q_i`` is the running rate at which the draft's token at depth ``i`` was accepted
+when the ones above it were. Each step keeps the depth with the most expected
+tokens per unit of cost (depth 0 is the plain step), so the drafter proposes and
+the budget prunes. When no depth pays, steps go plain and a one-deep probe is
+tried after 1, 2, 4, ... plain steps. Every input of a decision is the same on
+every rank (agreed drafts, accepted counts, the agreed cost), so the ranks decide
+alike.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from mpi4py import MPI
 
 from mpitree import extend
 
-PRIOR_COST = 0.15  # SmolLM2-135M on a 2-core x86-64 VM: a 13-row forward cost 2.8x a 1-row one
+# cost(L) = 1.6 + 0.04 L until fitted: SmolLM2-135M on the 2-core x86-64 CI machine type
+PRIOR_BASE, PRIOR_SLOPE = 1.6, 0.04
 _DECAY = 0.9  # the weight each older step keeps in the cost's fit
 _MIN_SPREAD = 0.5  # node counts must vary this much (variance) before the fit is used
 
@@ -62,19 +67,24 @@ class Budget:
     Parameters
     ----------
     node_cost : {"auto"} or float or None
-        ``"auto"``: ``c`` fitted from measured step times (:data:`PRIOR_COST` until
-        the fit has steps of different sizes); a float: ``c`` fixed; None: every
-        step verifies the whole draft.
+        ``"auto"``: ``cost(L)`` fitted from measured step times (``PRIOR_BASE`` and
+        ``PRIOR_SLOPE`` until both plain and verified steps were timed); a float
+        ``c``: ``cost(L) = 1 + c * (L - 1)``; None: every step verifies the whole
+        draft.
     comm : mpi4py.MPI.Intracomm
         The cache's communicator (the cost's agreement).
     """
 
     def __init__(self, node_cost, comm):
         self.every, self.measured = node_cost is None, node_cost == "auto"
-        self.cost = PRIOR_COST if self.measured or self.every else float(node_cost)
+        if self.measured or self.every:
+            self.base, self.slope = PRIOR_BASE, PRIOR_SLOPE
+        else:
+            self.base, self.slope = 1.0 - float(node_cost), float(node_cost)
         self.comm = comm
         self.rates = []  # q_i: running acceptance at depth i + 1, given the depths above
-        self.fit = np.zeros(5)  # decayed sums of 1, n, t, n*n, n*t over timed steps
+        self.plains = np.zeros(2)  # decayed sums of 1, t over plain steps
+        self.trees = np.zeros(5)  # decayed sums of 1, n, t, n*n, n*t over verified steps
         self.wait, self.backoff, self.probe = 0, 1, False
         self.started = 0.0
 
@@ -89,7 +99,8 @@ class Budget:
 
     def _value(self, depth, nodes):
         """Return expected tokens per unit of cost of a ``depth``-deep tree of ``nodes`` nodes."""
-        return (1.0 + self._gain(depth)) / (1.0 + self.cost * (nodes - 1))
+        cost = 1.0 if nodes == 1 else max(self.base + self.slope * nodes, 1.0)
+        return (1.0 + self._gain(depth)) / cost
 
     def _pays(self):
         """Whether some depth of a single chain beats the plain step."""
@@ -122,14 +133,15 @@ class Budget:
 
     def plain(self):
         """Record a plain step's time (one node)."""
-        self._timed(1)
+        self.plains = _DECAY * self.plains + np.array([1.0, self._seconds()])
 
     def saw(self, accepted, depth, nodes):
         """Record a verified step: draft tokens accepted, the tree's depth and its node count.
 
         Runs the cost's agreement (one small collective, the same point on every rank).
         """
-        self._timed(nodes)
+        t = self._seconds()
+        self.trees = _DECAY * self.trees + np.array([1, nodes, t, nodes * nodes, nodes * t])
         for i in range(min(accepted + 1, depth)):
             hit = float(i < accepted)
             if i == len(self.rates):
@@ -143,23 +155,24 @@ class Budget:
         else:
             self.wait, self.backoff = self.backoff, 2 * self.backoff
 
-    def _timed(self, nodes):
-        """Add the step that started at :meth:`start` to the decayed least-squares sums."""
-        seconds = time.perf_counter() - self.started
-        self.fit = _DECAY * self.fit + np.array([1, nodes, seconds, nodes * nodes, nodes * seconds])
+    def _seconds(self):
+        """Return the seconds since :meth:`start`."""
+        return time.perf_counter() - self.started
 
     def _local_cost(self):
-        """Return this rank's fitted ``c`` (slope over a one-node step's time), or -1 if none."""
-        w, n, t, nn, nt = self.fit
-        spread = nn / w - (n / w) ** 2 if w else 0.0
-        if spread < _MIN_SPREAD:
-            return -1.0
-        slope = (nt / w - (n / w) * (t / w)) / spread
-        one = t / w - slope * (n / w) + slope  # the fitted time of a one-node step
-        return max(slope, 0.0) / one if one > 0 else -1.0
+        """Return this rank's fitted ``(base, slope)``, in plain steps; ``(-1, -1)`` if none."""
+        w1, t1 = self.plains
+        w, n, t, nn, nt = self.trees
+        if not w1 or not w or t1 <= 0:
+            return [-1.0, -1.0]
+        plain = t1 / w1
+        spread = nn / w - (n / w) ** 2
+        slope = (nt / w - (n / w) * (t / w)) / spread if spread >= _MIN_SPREAD else None
+        slope = PRIOR_SLOPE * plain if slope is None else max(slope, 0.0)
+        return [(t / w - slope * (n / w)) / plain, slope / plain]
 
     def _agree_cost(self):
-        """Take the largest rank's fitted ``c`` (the slowest rank sets a step's pace)."""
-        agreed = float(extend.flagged_allreduce(self.comm, [self._local_cost()], MPI.MAX, None)[0])
-        if agreed >= 0:
-            self.cost = agreed
+        """Take the largest rank's fitted line (the slowest rank sets a step's pace)."""
+        agreed = extend.flagged_allreduce(self.comm, self._local_cost(), MPI.MAX, None)
+        if agreed[1] >= 0:
+            self.base, self.slope = float(agreed[0]), float(agreed[1])

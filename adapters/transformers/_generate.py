@@ -304,15 +304,16 @@ def generate(
         Gets ``put(prompt)``, then row 0's new tokens after every step, then
         ``end()`` (batch 1, as transformers' streamers), on the ranks that pass one.
     node_cost : {"auto"} or float or None, optional
-        The adaptive draft budget's cost of each verified tree node beyond the
-        first, in plain steps. ``"auto"`` (default): fitted from this call's
-        measured step times (a line of seconds against tree nodes, agreed as the
-        largest over the ranks; 0.15 until steps of different sizes were timed:
-        SmolLM2-135M on a 2-core x86-64 VM). A float fixes it. Each step verifies
-        the draft cut at the depth with the most expected tokens (from the running
-        acceptance at each depth) per unit of cost, or takes a plain step when no
-        depth pays, probing one token deep after 1, 2, 4, ... plain steps.
-        ``None``: verify the whole draft every step.
+        The adaptive draft budget's cost model. ``"auto"`` (default): a verified
+        tree of ``L`` nodes costs ``base + slope * L`` plain steps, the line fitted
+        from this call's measured step times (verified steps against the mean
+        plain step, agreed as the largest over the ranks; ``1.6 + 0.04 L`` until
+        both kinds were timed: SmolLM2-135M on a 2-core x86-64 VM). A float ``c``
+        fixes ``1 + c * (L - 1)``. Each step verifies the draft cut at the depth
+        with the most expected tokens (from the running acceptance at each depth)
+        per unit of cost, or takes a plain step when no depth pays, probing one
+        token deep after 1, 2, 4, ... plain steps. ``None``: verify the whole
+        draft every step.
     do_sample : bool, optional
         Sample instead of greedy (default False: greedy).
     temperature : float, optional
