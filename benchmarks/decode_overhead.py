@@ -6,10 +6,12 @@ timers wrap the attention entry point, the merge, the merge strategy's collectiv
 layer takes that path rather than its one-call step) and the C kernel (with its
 ctypes call), so each layer's time splits into the kernel, the collective, the
 merge's own Python, the layer's checks and the rest of the call. The overhead is
-everything but the kernel and the collective. With one rank the same steps also
-run with ``sdpa`` over a ``DynamicCache``, interleaved, and the table adds sdpa's
-attention call and whole-step times. Each timer adds about a microsecond to the
-calls around it.
+everything but the kernel and the collective. A step's first layer also runs the
+step's agreement (its checks and one 4-int64 MIN all-reduce), timed on its own
+next to a bare all-reduce of the same four int64 run before each step. With one
+rank the same steps also run with ``sdpa`` over a ``DynamicCache``, interleaved,
+and the table adds sdpa's attention call and whole-step times. Each timer adds
+about a microsecond to the calls around it.
 
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/decode_overhead.py --context 2048
 """
@@ -22,12 +24,13 @@ import time
 from collections import defaultdict
 
 import mpitree.adapters.transformers as mtt
+import numpy as np
 import torch
 import transformers
 from mpi4py import MPI
 from mpitree.adapters.transformers._attention import LayerStep
 
-from mpitree import _kernel, _merger
+from mpitree import _agreed, _kernel, _merger
 from mpitree._step import Attention
 from mpitree._strategies import REGISTRY
 
@@ -106,6 +109,7 @@ def main():
     funcs["mpitree"] = timed("mpitree call", funcs["mpitree"])
     funcs["sdpa"] = timed("sdpa call", funcs["sdpa"])
     _merger.Merger.merge = timed("merge", _merger.Merger.merge)
+    _agreed.agree = timed("agreement", _agreed.agree)  # a step's one agreement, checks included
     for cls in REGISTRY.values():  # the collective and its failure flag
         cls.reduce = timed("collective", cls.reduce)
     Attention.fill = timed("kernel", Attention.fill)  # the unbound path
@@ -123,11 +127,19 @@ def main():
             model(input_ids=tok, cache=c, use_cache=True)
         TIMES[f"{impl} step"].append(time.perf_counter() - start)
 
+    def bare_agreement():
+        buf = np.zeros(4, np.int64)
+        start = time.perf_counter()
+        if comm.size > 1:
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MIN)
+        TIMES["bare collective"].append(time.perf_counter() - start)
+
     runs = [("mpitree", cache)] + ([("sdpa", dynamic)] if dynamic is not None else [])
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             TIMES.clear()
         comm.Barrier()
+        bare_agreement()
         for impl, c in runs:
             step(impl, c)
     med = {k: statistics.median(v) * 1e6 for k, v in TIMES.items()}
@@ -153,6 +165,8 @@ def main():
         ("overhead: all but kernel and collective", call - kernel - coll),
         ("  the same, a step's layers' mean", med["per step"]),
         ("  the step's first layer (its agreement)", med["first layer"]),
+        ("    its agreement call: checks + collective", med["agreement"]),
+        ("    a bare 4-int64 MIN all-reduce", med["bare collective"]),
         ("  each later layer", med["later layers"]),
         ("  (earlier definition: checks + rest)", call - merge + local - kernel),
         ("mpitree attention call", call),

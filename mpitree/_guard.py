@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import hashlib
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -161,6 +162,10 @@ class Call:
     key : hashable or None
         A key that determines ``signature`` and ``op`` exactly (types and signs of
         zero included): :func:`agree` then encodes them once per key and entry point.
+    counts : dict or None
+        Field name -> int in ``[0, 2**62)`` that every rank must agree on too but
+        that changes from call to call (a cache's length): kept out of ``key``, so
+        a recurring call keeps its encoding and only these are coded afresh.
     merge : tuple or None
         ``(rows, head_dim, acc, options)``: the merger the call needs after the
         agreement (an :class:`Options` names its strategy,
@@ -174,6 +179,7 @@ class Call:
     native: bool = field(default=True)
     key: object = None
     merge: tuple | None = None
+    counts: dict | None = None
 
     def __post_init__(self):
         if self.op is None and self.merge is not None:
@@ -187,33 +193,55 @@ _encoded: dict = {}  # (entry point, Call.key) -> _Encoding
 
 
 class _Encoding:
-    """A call's signature as agreement vectors: the compact one sent, the per-field one kept."""
+    """A call's signature as agreement codes: the whole signature's, and each field's."""
 
-    __slots__ = ("compact", "expected", "wide")
+    __slots__ = ("codes", "compact", "native", "whole")
 
     def __init__(self, fields, op):
         if len(fields) > MAX_FIELDS:
             raise RuntimeError(f"mpitree internal error: {len(fields)} signature fields")
-        codes = [_code(v) for v in fields.values()]
+        self.codes = [_code(v) for v in fields.values()]
         if op is not None:
             record_op(*op)
-        native = int(native_op_available())
+        self.native = int(native_op_available())
+        self.whole = _code(tuple(self.codes))
+        self.compact = np.array([_OK, self.native, self.whole, -self.whole], np.int64)
+
+    def vector(self, counts):
+        """Return the vector this rank sends: the compact codes, ``counts`` mixed into them."""
+        if not counts:
+            return self.compact.copy()
+        if len(self.codes) + len(counts) > MAX_FIELDS:
+            raise RuntimeError(f"mpitree internal error: {len(counts)} more signature fields")
+        values = [_count(v) for v in counts.values()]
+        data = struct.pack(f"<{len(values) + 1}q", self.whole, *values)
+        whole = int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+        buf = self.compact.copy()
+        buf[2], buf[3] = whole, -whole
+        return buf
+
+    def wide(self, counts):
+        """Return the per-field vector of the failure path (``counts`` as their own fields)."""
+        codes = self.codes + [_count(v) for v in (counts or {}).values()]
         pad = [0] * (MAX_FIELDS - len(codes))
-        self.wide = np.array([_OK, native, *codes, *pad, *(-c for c in codes), *pad], np.int64)
-        whole = _code(tuple(codes))
-        self.compact = np.array([_OK, native, whole, -whole], np.int64)
-        self.expected = self.compact.tobytes()
+        return np.array([_OK, self.native, *codes, *pad, *(-c for c in codes), *pad], np.int64)
+
+
+def _count(value):
+    """Return a :attr:`Call.counts` value as its own code (it must be an int in [0, 2**62))."""
+    if type(value) is not int or not 0 <= value < _OK:
+        raise RuntimeError(f"mpitree internal error: a count must be an int >= 0, got {value!r}")
+    return value
 
 
 def _encoding(entry, call):
     """Return the call's :class:`_Encoding`, cached under ``call.key`` when it has one."""
-    fields = {"entry point": entry, **call.signature}
     if call.key is None:
-        return _Encoding(fields, call.op)
+        return _Encoding({"entry point": entry, **call.signature}, call.op)
     key = (entry, call.key)
     found = _encoded.get(key)
     if found is None:
-        found = _Encoding(fields, call.op)
+        found = _Encoding({"entry point": entry, **call.signature}, call.op)
         if len(_encoded) < 4096:
             _encoded[key] = found
     return found
@@ -227,8 +255,9 @@ def agree(comm, prepare):
 
     The collective is an ``MPI_Allreduce(MIN)`` of four int64: the verdict
     (the lowest failing rank), whether the native op is there, and a 56-bit code
-    of the whole signature and its negation. When the codes differ between ranks,
-    one more collective (failure path only) finds the fields that differ.
+    of the whole signature (its counts included) and its negation. When the codes
+    differ between ranks, one more collective (failure path only) finds the fields
+    that differ.
 
     Parameters
     ----------
@@ -254,20 +283,22 @@ def agree(comm, prepare):
     try:
         call = prepare()
         enc = _encoding(entry, call)
-        buf = enc.compact.copy()
+        buf = enc.vector(call.counts)
+        expected = buf.tobytes()
     except Exception as exc:  # every local failure becomes this rank's verdict
         error = exc
         buf = _FAILED.copy()
         buf[0] = comm.Get_rank()
     if comm.Get_size() > 1:
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MIN)
-        if error is None and buf.tobytes() == enc.expected:
+        if error is None and buf.tobytes() == expected:
             call.native = bool(buf[1])  # the agreed fact (a rank without the op sent 0)
             return call
     if buf[0] != _OK:
         raise_failure(comm, error)
     if buf[2] != -buf[3]:
-        _find_disagreement(comm, {"entry point": entry, **call.signature}, enc.wide)
+        fields = {"entry point": entry, **call.signature, **(call.counts or {})}
+        _find_disagreement(comm, fields, enc.wide(call.counts))
     call.native = bool(buf[1])
     return call
 

@@ -7,7 +7,7 @@ import torch
 from helpers import world
 from numpy.testing import assert_allclose
 
-from mpitree import reference_attention
+from mpitree import _agreed, _guard, reference_attention
 
 B, HQ, HKV, D = 2, 4, 2, 8
 CACHED = (1, 3)  # the layers that cache: layer 0 (say a linear-attention layer) does not
@@ -21,7 +21,7 @@ def tensors(seed, length):
     return q, k, v
 
 
-def forward(cache, seed, length, whole):
+def forward(cache, seed, length, whole, scaling=None):
     """One model step over the cached layers; check each layer against float64 attention.
 
     ``whole[layer]`` holds every key and value fed so far (the unsharded cache).
@@ -30,7 +30,7 @@ def forward(cache, seed, length, whole):
     for layer in CACHED:
         q, k, v = tensors(seed + layer, length)
         keys, values = cache.update(k, v, layer)
-        out, _ = mtt.attention_interface(None, q, keys, values, None)
+        out, _ = mtt.attention_interface(None, q, keys, values, None, scaling)
         before = whole.get(layer, (k[:, :, :0], v[:, :, :0]))
         ks, vs = whole[layer] = torch.cat([before[0], k], 2), torch.cat([before[1], v], 2)
         causal = np.arange(start + length) <= np.arange(start, start + length)[:, None]
@@ -72,3 +72,35 @@ def test_a_crop_on_one_rank_raises_on_every_rank_when_layer_0_caches_nothing():
         cache.crop(-1)
     with pytest.raises(ValueError, match=r"ranks disagree on .*cached tokens"):
         forward(cache, 100, 1, whole)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_steady_decode_steps_agree_every_step_on_a_kept_encoding(monkeypatch):
+    """A decode step like the last but one token longer still runs its agreement, cheaply.
+
+    Its checks' facts repeat, so the agreement's encoding is kept (its key) and the
+    cache's length rides in it as a count: no signature is encoded afresh.
+    """
+    cache = mtt.ShardedCache(block_size=2)
+    whole = {}
+    forward(cache, 0, 7, whole)
+    forward(cache, 10, 1, whole)  # the first decode step: its facts are new
+    agreed, encoded = [], []
+    agree, encoding = _agreed.agree, _guard._Encoding.__init__
+    monkeypatch.setattr(_agreed, "agree", lambda *a: agreed.append(1) or agree(*a))
+    monkeypatch.setattr(_guard._Encoding, "__init__", lambda *a: encoded.append(1) or encoding(*a))
+    for step in range(2, 7):
+        forward(cache, 10 * step, 1, whole)
+    assert len(agreed) == 5 and not encoded, (agreed, encoded)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_a_scaling_changed_on_one_rank_after_steady_steps_raises_on_every_rank():
+    """The kept checks do not hide a change: other facts give another signature."""
+    cache = mtt.ShardedCache(block_size=2)
+    whole = {}
+    for step in range(5):
+        forward(cache, 10 * step, 1, whole)
+    scaling = 0.5 if world().rank == world().size - 1 else None
+    with pytest.raises(ValueError, match=r"ranks disagree on .*scaling"):
+        forward(cache, 100, 1, whole, scaling)

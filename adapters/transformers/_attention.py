@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers.masking_utils import and_masks, padding_mask_function, prepare_padding_mask
+from transformers.masking_utils import causal_mask_function, prepare_padding_mask
 
 from mpitree import extend
 
@@ -21,7 +21,8 @@ class ShardMask:
     transformers builds masks as a function of (batch, head, query index, key
     index); the "mpitree" mask function returns that recipe instead of a
     ``(B, 1, Sq, N)`` tensor, and the attention function evaluates it only at the
-    keys this rank stores.
+    keys this rank stores. A key is visible where ``mask_function`` and, when
+    given, the ``(B, N)`` bool ``padding`` (the 2-D attention mask) allow it.
     """
 
     mask_function: object
@@ -29,13 +30,27 @@ class ShardMask:
     use_vmap: bool
     q_offset: int = 0  # global index of the first query, and of the first key, when a
     kv_offset: int = 0  # forward's keys are all here (no ShardedCache: see _unsharded)
+    padding: object = field(default=None, compare=False)  # a tensor: == would not be a bool
 
     def visible(self, queries, keys):
         """``(B, 1, Sq, T)`` bool: may query ``queries[i]`` see key ``keys[j]``."""
         b = torch.arange(self.batch_size, device=keys.device)[:, None, None, None]
         h = torch.zeros(1, dtype=torch.long, device=keys.device)[None, :, None, None]
-        keep = self.mask_function(b, h, queries[None, None, :, None], keys[None, None, None, :])
+        k = keys[None, None, None, :]
+        keep = self.mask_function(b, h, queries[None, None, :, None], k)
+        if self.padding is not None:  # transformers' and_masks(mask, padding_mask_function)
+            keep = keep & self.padding[b, k].to(keep.device)
         return keep.expand(self.batch_size, 1, queries.numel(), keys.numel())
+
+    def causal(self, batch, length):
+        """Whether this mask is transformers' causal one over ``batch`` rows and ``length`` keys.
+
+        With padding, only if it covers every key and pads none.
+        """
+        if self.mask_function is not causal_mask_function or self.batch_size != batch:
+            return False
+        padding = self.padding
+        return padding is None or (padding.shape[-1] >= length and bool(padding.all()))
 
 
 def mask_interface(
@@ -56,9 +71,7 @@ def mask_interface(
             "(no or_mask_function / and_mask_function overlays)"
         )
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    if padding is not None:
-        mask_function = and_masks(mask_function, padding_mask_function(padding))
-    return ShardMask(mask_function, batch_size, use_vmap, int(q_offset), int(kv_offset))
+    return ShardMask(mask_function, batch_size, use_vmap, int(q_offset), int(kv_offset), padding)
 
 
 def _visible(mask, queries, keys, length, batch, heads, sharded=False):
@@ -98,19 +111,37 @@ def _visible(mask, queries, keys, length, batch, heads, sharded=False):
     return ~blocked
 
 
-def _signature(query, key, value, scaling, sharding, sharded):
-    """Return the per-layer facts every rank must share in a step (``sharding`` None: no cache).
+class Recipe:
+    """What a step's first layer establishes from its facts alone, kept while they repeat.
 
-    The step's first layer runs the full checks (:func:`_checked`); a later layer
-    is held to them by this signature, which names everything those checks
-    establish of query, key and value but the shard length: a layer whose
-    signature equals the first's would pass them too. A sharded cache's layers
-    mostly repeat one signature: it is kept on the sharding and the same dict
-    returned while its inputs stay the same. Never raises (it runs outside the
-    guard on the ranks of a layer after the first).
+    ``facts`` are what :func:`_signature`'s dict and the step's local checks read
+    of the layer's inputs and the cache's options (shapes but the shard length,
+    dtypes, devices, tensor types, scaling, strategy): the same facts give the
+    same signature and, once the checks passed under them, the same verdict,
+    options and merge (``checked``: a :class:`extend.Call` template whose payload
+    is ``(problem, options)``). They also key the step's agreement, whose
+    encoding :func:`extend.agree` then keeps; the cache's length and edits ride in
+    it as counts. ``facts`` is None for a recipe that is not kept (no cache,
+    invariant mode, a scaling that is not a Python number).
     """
-    if sharding is None or sharding.invariant:
-        return _new_signature(query, key, value, scaling, sharding, sharded)
+
+    __slots__ = ("checked", "facts", "signature")
+
+    def __init__(self, facts, signature):
+        self.facts, self.signature, self.checked = facts, signature, None
+
+
+def _recipe(query, key, value, scaling, sharding, sharded):
+    """Return the layer's :class:`Recipe`: the cache's last one while its facts repeat.
+
+    Never raises (it runs outside the guard on the ranks of a layer after the first).
+    """
+    if (
+        sharding is None
+        or sharding.invariant
+        or not (scaling is None or type(scaling) is float or type(scaling) is int)
+    ):
+        return Recipe(None, _new_signature(query, key, value, scaling, sharding, sharded))
     facts = (
         query.shape,
         query.dtype,
@@ -120,20 +151,32 @@ def _signature(query, key, value, scaling, sharding, sharded):
         value.shape[:2] + value.shape[3:],
         key.shape[2:3] == value.shape[2:3],
         query.device == key.device == value.device,
-        scaling,
+        (type(query), type(key), type(value)),
+        scaling.hex() if type(scaling) is float else scaling,  # -0.0 is not 0.0
         sharded,
         sharding.strategy,
         sharding.deterministic,
         sharding.placement,
         sharding.block_size,
     )
-    memo = sharding.signature_memo
-    if memo is None or memo[0] != facts:
-        memo = sharding.signature_memo = (
-            facts,
-            _new_signature(query, key, value, scaling, sharding, sharded),
-        )
-    return memo[1]
+    memo = sharding.recipe
+    if memo is None or memo.facts != facts:
+        signature = _new_signature(query, key, value, scaling, sharding, sharded)
+        memo = sharding.recipe = Recipe(facts, signature)
+    return memo
+
+
+def _signature(query, key, value, scaling, sharding, sharded):
+    """Return the per-layer facts every rank must share in a step (``sharding`` None: no cache).
+
+    The step's first layer runs the full checks (:func:`_checked`); a later layer
+    is held to them by this signature, which names everything those checks
+    establish of query, key and value but the shard length: a layer whose
+    signature equals the first's would pass them too. A sharded cache's layers
+    mostly repeat one signature: it is kept on the cache's :class:`Recipe` and the
+    same dict returned while its inputs stay the same. Never raises.
+    """
+    return _recipe(query, key, value, scaling, sharding, sharded).signature
 
 
 def _new_signature(query, key, value, scaling, sharding, sharded):
@@ -291,7 +334,9 @@ def _step_positions(kw, batch, q_len):
     pos = kw.get("position_ids")
     if not isinstance(pos, torch.Tensor) or pos.ndim != 2 or pos.shape[0] not in (1, batch):
         return None
-    return pos.expand(batch, q_len) if pos.shape[1] == q_len else None
+    if pos.shape[1] != q_len:
+        return None
+    return pos if pos.shape[0] == batch else pos.expand(batch, q_len)
 
 
 def _refeed_error(view, positions):
@@ -307,44 +352,92 @@ def _refeed_error(view, positions):
     )
 
 
-def _agree_step(sharding, view, query, key, value, mask, scaling, signature, positions):
-    """Run the step's one agreement (its first attention call); fill ``view.step`` with it."""
+def _agree_step(sharding, view, query, key, value, mask, scaling, recipe, positions):
+    """Run the step's one agreement (its first attention call); fill ``view.step`` with it.
+
+    The checks of ``recipe``'s facts run once while they repeat (their verdict is
+    theirs alone); what depends on the step (the cache's error, history, length
+    and edits, the mask) is checked every step, and the agreement runs every step.
+    """
 
     def prepare():
         if view.error is not None:
             raise view.error
         history = None
         if not view.sharded:
-            if sharding.refed(positions, view.start):
+            refed, history = sharding.advance(positions, view.start)
+            if refed:
                 raise _refeed_error(view, positions)
-            history = sharding.extended(positions, view.start)
-        problem = _checked(query, key, value)
-        keep = _unless_all(_view_visible(mask, view, (problem.batch, problem.q_heads)))
-        opts = extend.Options.resolve(
-            problem.head_dim,
-            sharding.strategy,
-            scaling,
-            sharding.deterministic,
-            node_size=0,  # the real nodes: a ShardedCache takes no node size
-            block_size=sharding.block_size if sharding.invariant else None,
-            invariant=True,
-        )
+        checked = recipe.checked
+        if checked is None:
+            checked = _check_step(query, key, value, scaling, sharding, recipe, view.sharded)
+        problem, opts = checked.payload
+        keep = _first_visible(mask, view, (problem.batch, problem.q_heads))
         payload = (opts, history, keep)
         if view.sharded:  # a sharded prefill merges its own way, with the native op
-            return extend.Call(signature, payload, op=(problem.acc, problem.head_dim + 2))
-        merge = (problem.rows, problem.head_dim, problem.acc, opts)
+            return extend.Call(recipe.signature, payload, op=checked.op)
         # the cache's global length and edits: a crop or batch operation on one rank only
         # would merge states of different tokens (the layers' own signature stays as it is)
         cache = {"cached tokens": view.start, "cache edits": sharding.edits}
-        return extend.Call({**signature, **cache}, payload, merge=merge)
+        return extend.Call(
+            checked.signature,
+            payload,
+            checked.op,
+            key=checked.key,
+            merge=checked.merge,
+            counts=cache,
+        )
 
-    call, merger = extend.agree_merger(sharding.comm, prepare, like=query)
+    # host tensors need no staging buffer: a plain one (and no look-up of its device)
+    like = None if getattr(query, "is_cpu", False) else query
+    call, merger = extend.agree_merger(sharding.comm, prepare, like=like)
     opts, history, keep = call.payload
     if not view.sharded:
         sharding.history = history
     step = view.step
-    step.signature, step.scale, step.merger = signature, opts.scale, merger
+    step.signature, step.scale, step.merger = recipe.signature, opts.scale, merger
     step.visible[_visible_key(mask, view)] = (mask, keep)  # the first layer's, computed above
+
+
+def _check_step(query, key, value, scaling, sharding, recipe, sharded):
+    """Run the checks of ``recipe``'s facts; return its ``checked`` template (kept if kept)."""
+    problem = _checked(query, key, value)
+    opts = extend.Options.resolve(
+        problem.head_dim,
+        sharding.strategy,
+        scaling,
+        sharding.deterministic,
+        node_size=0,  # the real nodes: a ShardedCache takes no node size
+        block_size=sharding.block_size if sharding.invariant else None,
+        invariant=True,
+    )
+    payload = (problem, opts)
+    if sharded:
+        checked = extend.Call(recipe.signature, payload, op=(problem.acc, problem.head_dim + 2))
+    else:
+        merge = (problem.rows, problem.head_dim, problem.acc, opts)
+        key = None if recipe.facts is None else ("ShardedCache step", recipe.facts)
+        checked = extend.Call(recipe.signature, payload, key=key, merge=merge)
+    if recipe.facts is not None:
+        recipe.checked = checked
+    return checked
+
+
+def _first_visible(mask, view, rows):
+    """Return the step's visibility over this rank's shard (None: all visible); rows: (B, Hq).
+
+    A decode step under the causal mask with no padding sees every key: its one
+    query is the newest token and every cached key (``positions``) lies before
+    the layer's length. Any other step or mask evaluates the mask over the shard.
+    """
+    length = view.layer.length
+    if (
+        not view.sharded
+        and view.start == length - 1  # one new token: queries = [start]
+        and (mask is None or (type(mask) is ShardMask and mask.causal(rows[0], length)))
+    ):
+        return None
+    return _unless_all(_view_visible(mask, view, rows))
 
 
 # strategies whose merge needs only the filled records ("ring" asks for the shard itself)
@@ -592,11 +685,12 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
     signature = None
     agreed = view.step
     if agreed.signature is None:  # the step's first attention call: every rank is here
-        signature = _signature(query, key, value, scaling, sharding, view.sharded)
+        recipe = _recipe(query, key, value, scaling, sharding, view.sharded)
+        signature = recipe.signature
         positions = _step_positions(kw, int(query.shape[0]), int(query.shape[2]))
         try:
             _agree_step(
-                sharding, view, query, key, value, attention_mask, scaling, signature, positions
+                sharding, view, query, key, value, attention_mask, scaling, recipe, positions
             )
         except Exception:
             view.layer.rollback(view)  # a failed step leaves the cache as it was

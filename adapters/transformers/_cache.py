@@ -63,8 +63,12 @@ class Sharding:
     history: torch.Tensor | None = None
     # while :meth:`ShardedCache._capturing` runs: every layer's incoming (keys, values), in order
     captured: list | None = None
-    # (facts, signature) of the last attention call: layers reuse one signature dict
-    signature_memo: tuple | None = None
+    # the last attention call's :class:`~._attention.Recipe`: layers and steps reuse its
+    # signature dict and, once checked, its verdict, options and merge while its facts repeat
+    recipe: object = None
+    # (history, its per-row max as ints, its buffer) after :meth:`advance`: the history is
+    # a prefix view of a buffer with spare room, so a step copies its own positions only
+    history_memo: tuple | None = None
     # (index, device, tensor [index]) of the last decode step's token: every layer's
     token_memo: tuple | None = None
     layers: int = 0  # the cache's layer count: a step's outputs are allocated together
@@ -80,6 +84,7 @@ class Sharding:
         """Copy the state and share the communicator (MPI communicators are never copied)."""
         twin = copy.copy(self)
         twin.pending = twin.captured = None
+        twin.history_memo = None  # its buffer is this cache's
         twin.step = Step(-1)
         twin.history = copy.deepcopy(self.history, memo)
         return twin
@@ -99,28 +104,49 @@ class Sharding:
             memo = self.token_memo = (idx, device, torch.tensor([idx], device=device))
         return memo[2]
 
-    def refed(self, positions, before):
-        """Return whether a step at ``positions`` ``(B, Sq)`` stays within ``before`` cached tokens.
+    def advance(self, positions, before):
+        """Return whether a step at ``positions`` ``(B, Sq)`` re-feeds tokens, and its history.
 
-        In every row, no new position goes past the cached ones: the step feeds
-        tokens the cache already holds (``generate`` re-runs a prompt that the
-        cache holds entirely), which would store them twice.
+        Re-fed: in every row, no new position goes past the ``before`` cached
+        ones, so the step feeds tokens the cache already holds (``generate``
+        re-runs a prompt that the cache holds entirely), which would store them
+        twice. The history is :meth:`extended`'s.
         """
         history = self.history
-        if positions is None or history is None or tuple(history.shape) != (len(positions), before):
-            return False
-        return before > 0 and bool((positions.amax(-1) <= history.amax(-1).to(positions)).all())
+        if positions is None or (before and history is None):
+            return False, None
+        if before == 0:
+            return False, positions.clone()
+        if tuple(history.shape) != (len(positions), before):
+            return False, None
+        new, old = positions.amax(-1).tolist(), self._top(history)
+        width = positions.shape[1]
+        memo = self.history_memo
+        buffer = memo[2] if memo is not None and memo[0] is history else None
+        if buffer is None or before + width > buffer.shape[1]:
+            room = max(before + width, before + before // 2, 256)
+            buffer = history.new_empty(len(history), room)
+            buffer.narrow(1, 0, before).copy_(history)
+        buffer.narrow(1, before, width).copy_(positions)
+        out = buffer.narrow(1, 0, before + width)
+        self.history_memo = (out, [max(n, h) for n, h in zip(new, old, strict=True)], buffer)
+        return all(n <= h for n, h in zip(new, old, strict=True)), out
+
+    def _top(self, history):
+        """Return ``history``'s per-row max position (ints), kept from :meth:`advance`."""
+        memo = self.history_memo
+        if memo is not None and memo[0] is history:
+            return memo[1]
+        return history.amax(-1).tolist()
 
     def extended(self, positions, before):
-        """Return the history of ``before`` cached tokens with a step's ``(B, Sq)`` positions."""
-        history = self.history
-        if positions is None or (before and history is None):
-            return None
-        if before == 0:
-            return positions.clone()
-        if tuple(history.shape) != (len(positions), before):
-            return None
-        return torch.cat([history, positions.to(history.device)], 1)
+        """Return the history of ``before`` cached tokens with a step's ``(B, Sq)`` positions.
+
+        The current history stays as it is: the result is a longer view of its
+        buffer when it has one (a step that fails leaves the history it had).
+        None when the positions are unknown.
+        """
+        return self.advance(positions, before)[1]
 
     def follow_rows(self, select):
         """Apply a batch operation ``select`` (reorder, repeat, select) to the per-row history."""
@@ -534,7 +560,7 @@ class ShardedCache(Cache):
     def reset(self):
         """Forget every token of every layer."""
         super().reset()
-        self.sharding.history = None
+        self.sharding.history = self.sharding.history_memo = None
         self.sharding.edits = 0
 
     def reorder_cache(self, beam_idx):
