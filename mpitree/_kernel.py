@@ -1,4 +1,4 @@
-"""ctypes bridge to the compiled float32 local-attention kernel in ``_native.c``."""
+"""ctypes bridge to the compiled float32 local-attention kernel in ``_native_kernel.c``."""
 
 from __future__ import annotations
 

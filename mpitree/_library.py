@@ -1,4 +1,4 @@
-"""Load the compiled library (``_native.c``, built as ``mpitree._native``) once, thread-safely."""
+"""Load the compiled library (``_native*.c``, built as ``mpitree._native``) once, thread-safely."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ _error = None
 
 
 class AttnArgs(ctypes.Structure):
-    """Mirror of ``mpitree_attn_args`` in ``_native.c``."""
+    """Mirror of ``mpitree_attn_args`` in ``_native.h``."""
 
     _fields_ = [
         ("batch", ctypes.c_int64),
@@ -34,7 +34,7 @@ class AttnArgs(ctypes.Structure):
 
 
 class LayerArgs(ctypes.Structure):
-    """Mirror of ``mpitree_layer`` in ``_native.c``: one decode layer's bound kernel call."""
+    """Mirror of ``mpitree_layer`` in ``_native.h``: one decode layer's bound kernel call."""
 
     _fields_ = [
         ("q", ctypes.c_void_p),

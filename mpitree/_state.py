@@ -31,7 +31,7 @@ def combine_records(a, b, exp=None):
     Every other copy derives from or is held bit for bit to this function: the
     numpy fallback op (``_op.python_op``) and the torch staircase call it; the
     ``allreduce3`` strategy and :func:`merge_records` use its weights
-    (:func:`merge_weights`); the compiled MPI op (``_native.c``, ``combine_*``) is
+    (:func:`merge_weights`); the compiled MPI op (``_native_op.c``, ``combine_*``) is
     tested against it bit for bit (``tests/test_merge_definition.py``).
 
     Record layout: ``(..., D + 2)`` as ``[m, d, n_0..n_{D-1}]``, float32 or float64;

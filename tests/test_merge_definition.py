@@ -1,6 +1,6 @@
 """One merge definition: every copy of the (m, d, n) combine equals combine_records, bit for bit.
 
-The copies: the compiled op (``_native.c``, through ``mpitree_combine`` and through
+The copies: the compiled op (``_native_op.c``, through ``mpitree_combine`` and through
 the MPI op ``record_op`` registers), the numpy fallback op (``_op.python_op``),
 ``allreduce3``'s three reductions, ``merge_records`` (allgather, ring) and the torch
 merge of sharded prefill's staircase. All follow the definition's order of

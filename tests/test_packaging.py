@@ -196,7 +196,7 @@ def test_layout_page_names_every_module():
         str(p.relative_to(ROOT))
         for folder in ("mpitree", "adapters")
         for p in (ROOT / folder).rglob("*")
-        if p.suffix in (".py", ".c") and "__pycache__" not in p.parts
+        if p.suffix in (".py", ".c", ".h") and "__pycache__" not in p.parts
     }
     assert table == modules, (sorted(modules - table), sorted(table - modules))
 
@@ -234,8 +234,8 @@ def test_wheel_holds_every_module_and_imports(tmp_path):
         str(Path(prefix, p.relative_to(ROOT / folder)))
         for folder, prefix in (("mpitree", "mpitree"), ("adapters", "mpitree/adapters"))
         for p in (ROOT / folder).rglob("*")
-        if p.suffix == ".py" and "__pycache__" not in p.parts
-    } | {"mpitree/_native.c", "mpitree/py.typed"}
+        if p.suffix in (".py", ".c", ".h") and "__pycache__" not in p.parts
+    } | {"mpitree/py.typed"}
     assert not want - names, f"the wheel lacks {sorted(want - names)}"
     zipfile.ZipFile(wheel).extractall(site)
     env = {**os.environ, "PYTHONPATH": str(site)}  # before the venv's editable finder
@@ -255,3 +255,41 @@ def test_wheel_holds_every_module_and_imports(tmp_path):
             timeout=120,
         )
         assert res.returncode == 0, res.stdout + res.stderr
+
+
+SDIST = """
+import sys
+from setuptools import build_meta
+print(build_meta.build_sdist(sys.argv[1]))
+"""
+
+
+def test_sdist_holds_every_c_source_the_build_names(tmp_path):
+    """The sdist holds the extension's C sources and header, and the build names every one.
+
+    The extension is optional: a source the sdist lacked would make ``pip install`` from
+    it succeed without the compiled op and kernel, and a ``.c`` the build did not name
+    would leave its functions out of the library.
+    """
+    import shutil
+    import tarfile
+
+    src, out = tmp_path / "src", tmp_path / "dist"
+    skip = (".git", ".venv*", "build", "*.egg-info", ".ci-out", "__pycache__", "*.so")
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*skip))
+    res = subprocess.run(
+        [sys.executable, "-c", SDIST, str(out)],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    sdist = out / res.stdout.split()[-1]
+    names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
+    c_files = {str(p.relative_to(ROOT)) for p in (ROOT / "mpitree").glob("*.c")}
+    headers = {str(p.relative_to(ROOT)) for p in (ROOT / "mpitree").glob("*.h")}
+    built = set(re.findall(r'"(mpitree/[\w.]+\.c)"', (ROOT / "pyproject.toml").read_text()))
+    assert built == c_files, (sorted(c_files - built), sorted(built - c_files))
+    want = c_files | headers | {"pyproject.toml", "setup.cfg", "setup.py"}
+    assert headers and not want - names, f"the sdist lacks {sorted(want - names)}"

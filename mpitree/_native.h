@@ -1,0 +1,72 @@
+/*
+ * What the sources of mpitree's compiled library share. They build one extension,
+ * mpitree._native (plain C: no mpi.h, no Python.h), which mpitree/_library.py loads with
+ * ctypes; the structs and functions below are its whole interface (_library.py mirrors
+ * them). The sources, one job each:
+ *   _native_op.c      the (m, d, n) combine, as the MPI user functions of the op
+ *   _native_kernel.c  the float32 local-attention kernel: its ISA builds and dispatch
+ *   _native_finish.c  the attention output of merged records
+ *   _native_layer.c   one decode layer's step, bound once: the kernel, then finishing
+ *   _native_read.c    the stream-read bandwidth floor that benchmarks measure against
+ */
+#ifndef MPITREE_NATIVE_H
+#define MPITREE_NATIVE_H
+
+#include <stdint.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MPITREE_X86_CLONES 1
+#define MPITREE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define MPITREE_INLINE static inline __attribute__((always_inline))
+#else
+#define MPITREE_CLONES
+#define MPITREE_INLINE static inline
+#endif
+
+typedef struct {
+    int64_t batch, q_heads, kv_heads, q_len, head_dim;
+    int64_t k_strides[3]; /* elements between batches, heads, keys of K (D is unit) */
+    int64_t v_strides[3];
+    const int64_t *lens;   /* (B,) keys used per batch row, or NULL for all T */
+    int64_t t;             /* shard length T */
+    const uint8_t *vis;    /* (B, Hm, Sq, T) visibility, or NULL */
+    int64_t vis_heads;     /* Hm: 1 or Hq */
+    float scale;
+} mpitree_attn_args;
+
+typedef struct {
+    const float *q;     /* this step's (B, Hq, Sq, D) query, C order */
+    int64_t t;          /* this step's shard length T */
+    const uint8_t *vis; /* this step's (B, Hm, Sq, T) visibility, or NULL (every key) */
+    int64_t vis_heads;  /* Hm: 1 or Hq */
+    const float *k, *v; /* bound: the shard's K and V, strides in args */
+    float *rec;         /* bound: the merge's (B, Hq, Sq, D + 2) records */
+    float *scratch;     /* bound: mpitree_attend_scratch(G * Sq, D) floats */
+    mpitree_attn_args args;
+} mpitree_layer;
+
+/* _native_op.c */
+int mpitree_nslots(void);
+void *mpitree_bind_slot(int bits, int slot, int dim);
+void mpitree_combine(int bits, const void *in, void *io, int count, int dim);
+
+/* _native_kernel.c */
+int64_t mpitree_attend_scratch(int64_t rows, int64_t dim);
+int mpitree_kernel_best(void);
+int mpitree_kernel_select(int level);
+const char *mpitree_kernel_isa(void);
+void mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float *k,
+                        const float *v, float *out, float *scratch);
+
+/* _native_finish.c */
+void mpitree_finish_f32(const float *rec, int64_t batch, int64_t heads, int64_t q_len,
+                        int64_t dim, float *out);
+
+/* _native_layer.c */
+void mpitree_layer_attend_f32(mpitree_layer *l);
+void mpitree_layer_finish_f32(const mpitree_layer *l, float *out);
+
+/* _native_read.c */
+float mpitree_read_f32(const float *x, int64_t n);
+
+#endif
