@@ -26,7 +26,7 @@ SHAPES = {
 
 
 def other_build(path):
-    """Return a function running the kernel of another build of ``_native.c`` (e.g. before)."""
+    """Return a function running the kernel of another ``mpitree._native`` build (e.g. before)."""
     lib = ctypes.CDLL(path)
     lib.mpitree_attend_f32.argtypes = [ctypes.POINTER(AttnArgs)] + [ctypes.c_void_p] * 5
     lib.mpitree_attend_scratch.restype = ctypes.c_int64
@@ -81,7 +81,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--before", metavar="SO", help="another build of _native.c, timed too")
+    parser.add_argument("--before", metavar="SO", help="another mpitree._native .so, timed too")
     args = parser.parse_args()
     before = other_build(args.before) if args.before else None
     print(f"kernel ISA: {kernel_isa()}")
