@@ -1,4 +1,4 @@
-"""mpitree for JAX: a tree decode usable inside ``jax.jit`` and differentiable by ``jax.grad``.
+"""mpitree for JAX: a tree decode and energy usable in ``jax.jit``, ``jax.vmap`` and ``jax.grad``.
 
 :func:`tree_decode` computes this shard's partial state ``(m, d, n)`` in the
 traced program (XLA: grouped matmuls, float32 accumulation, no repeated K/V),
@@ -21,15 +21,22 @@ elsewhere. Inside ``jax.jit`` JAX reports the same exception as a
 
 The merge callbacks run on the thread XLA executes the program on: do not run
 other collectives on the same communicator from another thread while a
-dispatched step is in flight (``block_until_ready()`` it first). ``jax.vmap``
-is not supported (an ordered callback has no batching rule): give the batch
-as the ``B`` axis.
+dispatched step is in flight (``block_until_ready()`` it first).
+
+Under ``jax.vmap`` (an ordered callback has no batching rule of its own) the
+merge is a ``jax.custom_batching.custom_vmap`` function: the mapped axis is
+folded into the records' rows, merged by one callback, and unfolded, so a
+vmapped call is still one agreement and one merge on every rank. The folded
+axis sizes are agreed on: a rank that vmaps differently, or not at all, makes
+every rank raise. :func:`free_energy` is the sharded log-partition function,
+one decode of an augmented problem; its gradient is attention.
 
 Importing this module imports JAX; ``import mpitree`` never does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -46,7 +53,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without JAX
 
 from mpitree import extend
 
-__all__ = ["tree_decode"]
+__all__ = ["free_energy", "tree_decode"]
 
 MERGING = ("auto", "allreduce", "allreduce3", "allgather", "hierarchical")
 
@@ -60,6 +67,8 @@ class _Step:
     opts: object = None  # extend.Options
     t: int = 0  # this shard's length
     error: Exception | None = None  # the local checks' verdict
+    folds: tuple = ()  # the sizes of the vmapped axes folded into the batch
+    extra: tuple = ()  # an entry point's own agreed facts: (name, value) pairs
 
     def call(self, phase, flag):
         """Return the agreement's Call for ``phase``; raise this rank's error."""
@@ -68,9 +77,19 @@ class _Step:
         if flag:
             raise ValueError(f"kv_len must lie in [0, {self.t}] (this shard's length)")
         p, o = self.problem, self.opts
-        sig = {"phase": phase, **p.signature(), **o.signature()}
-        merge = (p.rows, p.head_dim, p.acc, o)
-        return extend.Call(sig, key=(phase, p, o, o.scale.hex()), merge=merge)
+        sig = {"phase": phase, "vmap": self.folds, **dict(self.extra)}
+        sig.update(p.signature(), **o.signature())
+        key = (phase, self.folds, self.extra, p, o, o.scale.hex())
+        return extend.Call(sig, key=key, merge=(p.rows, p.head_dim, p.acc, o))
+
+    def folded(self, size):
+        """Return this step with a vmapped axis of ``size`` folded into the batch."""
+        error, problem = self.error, self.problem
+        if error is None and size == 0:
+            error = ValueError("jax.vmap over an axis of size 0: there is no row to merge")
+        elif error is None:
+            problem = dataclasses.replace(problem, batch=problem.batch * size)
+        return dataclasses.replace(self, problem=problem, error=error, folds=(*self.folds, size))
 
 
 @extend.entry_point
@@ -95,18 +114,48 @@ def _traced(*xs):
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(xs))
 
 
-def _collective(step, phase, records, flag):
+def _collective(step, phase, records, flag, context):
     """Run :func:`_host_step`: as an ordered callback when traced, else directly.
 
     Directly, after the ordered effects already dispatched (an earlier jitted
     step's merge) have run: the collectives keep program order on every rank.
+    ``context`` are the call's inputs (under ``jax.vmap``: whether it is mapped).
     """
-    if _traced(records, flag):
+    if _traced(records, flag, context):
+        return _merge_in_program(step, phase, records, flag, context)
+    jax.effects_barrier()
+    return jnp.asarray(_host_step(step, phase, np.asarray(records), np.asarray(flag)))
+
+
+def _merge_in_program(step, phase, records, flag, context):
+    """Merge ``records`` through one ordered callback; under ``jax.vmap``, still one.
+
+    An ordered callback cannot be batched, and a collective must run once per
+    call on every rank whatever the batch: when any of the call's inputs
+    (``context``, only looked at by ``jax.vmap``) or its records are mapped, the
+    mapped axis is folded into the records' leading axis (the merge is row by
+    row; records that do not depend on it, an empty shard's, are broadcast),
+    merged by one callback whose step agrees on the folded sizes (a rank that
+    vmaps differently, or not at all, disagrees: every rank raises), and unfolded.
+    """
+
+    @jax.custom_batching.custom_vmap
+    def merge(records, flag, context):
         shape = jax.ShapeDtypeStruct(records.shape, records.dtype)
         host = functools.partial(_host_step, step, phase)
         return io_callback(host, shape, records, flag, ordered=True)
-    jax.effects_barrier()
-    return jnp.asarray(_host_step(step, phase, np.asarray(records), np.asarray(flag)))
+
+    @merge.def_vmap
+    def _fold(size, batched, records, flag, context):
+        if not batched[0]:
+            records = jnp.broadcast_to(records, (size, *records.shape))
+        if batched[1]:
+            flag = jnp.any(flag != 0).astype(flag.dtype)
+        rows = records.reshape(-1, *records.shape[2:])
+        merged = _merge_in_program(step.folded(size), phase, rows, flag, context)
+        return merged.reshape(records.shape), True
+
+    return merge(records, flag, context)
 
 
 # ----------------------------------------------------------------------------------------
@@ -254,20 +303,20 @@ def _forward(step, q, k, v, aux):
     p, scale = step.problem, step.opts.scale
     keep = _grouped_keep(p, step.t, lens, vis)
     records = _local_records(p, scale, step.t, q, k, v, keep)
-    return _finish(_collective(step, "forward", records, flag))
+    return _finish(_collective(step, "forward", records, flag, (q, k, v, aux)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _decode(step, q, k, v, aux):
-    """Return the decode as JAX sees it: (output in q's dtype, lse float32)."""
+    """Return the decode as JAX sees it: (output in q's dtype, lse in the accumulation dtype)."""
     out, lse = _forward(step, q, k, v, aux)
-    return out.astype(q.dtype), lse.astype(jnp.float32)
+    return out.astype(q.dtype), lse
 
 
 def _decode_fwd(step, q, k, v, aux):
     """Forward rule: keep the merged output and lse (the backward's global facts)."""
     out, lse = _forward(step, q, k, v, aux)
-    return (out.astype(q.dtype), lse.astype(jnp.float32)), (q, k, v, aux, out, lse)
+    return (out.astype(q.dtype), lse), (q, k, v, aux, out, lse)
 
 
 def _decode_bwd(step, residuals, cotangents):
@@ -304,7 +353,7 @@ def _decode_bwd(step, residuals, cotangents):
         dq_local = scale * _dot(ds, kk)
     zeros = jnp.zeros((*dq_local.shape[:-1], 2), p.acc)  # m = 0, d = 0: the merge sums n
     rows = jnp.concatenate([zeros, dq_local], -1).reshape(*p.row_shape, -1)
-    summed = _collective(step, "backward", rows, flag)
+    summed = _collective(step, "backward", rows, flag, (q, k, v, aux, dout, dlse))
     dq = summed[..., 2:].reshape(q.shape).astype(q.dtype)
     return dq, dk, dv, (None, None, None)
 
@@ -312,7 +361,7 @@ def _decode_bwd(step, residuals, cotangents):
 _decode.defvjp(_decode_fwd, _decode_bwd)
 
 
-def _failed(step, traced, return_lse):
+def _failed(step, traced):
     """Fail on every rank: the agreement runs (when traced: when the program runs) and raises.
 
     Traced, the program still enters the agreement in its place in the order of
@@ -320,10 +369,42 @@ def _failed(step, traced, return_lse):
     """
     flag = jnp.zeros((), jnp.int32)
     if not traced:
-        _collective(step, "forward", jnp.zeros((1, 3), jnp.float32), flag)
+        _collective(step, "forward", jnp.zeros((1, 3), jnp.float32), flag, ())
         raise step.error  # pragma: no cover - the agreement raised on every rank
-    records = _collective(step, "forward", jnp.zeros((1, 3), jnp.float32) + flag, flag)
-    return (records, records[..., 0]) if return_lse else records
+    records = _collective(step, "forward", jnp.zeros((1, 3), jnp.float32) + flag, flag, ())
+    return records, records[..., 0]
+
+
+def _attend(comm, inputs, prepare, masking, strategy):
+    """Run one guarded decode: (output in q's dtype, lse in the accumulation dtype).
+
+    ``prepare(*inputs)`` runs the entry point's own checks and returns the
+    ``(q, k, v, scale)`` to decode and its own facts the ranks agree on
+    (``(name, value)`` pairs). Any exception in the local checks rides in the
+    agreement, on every rank.
+    """
+    try:
+        q, k, v, scale, extra = prepare(*inputs)
+        problem, t = _check_qkv(q, k, v)
+        lens, vis = _visibility(problem, t, **masking)
+        opts = extend.Options.resolve(problem.head_dim, strategy, scale)
+        if opts.strategy not in MERGING:
+            raise ValueError(
+                f"strategy {opts.strategy!r} moves K/V between ranks; the JAX adapter merges "
+                f"states: use one of {MERGING}"
+            )
+    except Exception as exc:  # the verdict rides in the agreement, on every rank
+        return _failed(_Step(comm, error=exc), _traced(*inputs, masking))
+    step = _Step(comm, problem, opts, t, extra=extra)
+    flag = jnp.zeros((), jnp.int32)
+    if lens is not None:
+        flag = jnp.any((lens < 0) | (lens > t)).astype(jnp.int32)
+    return _decode(step, q, k, v, (lens, vis, flag))
+
+
+def _as_jax(*xs):
+    """Return numpy arrays as JAX arrays; anything else unchanged (the checks judge it)."""
+    return tuple(jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in xs)
 
 
 def tree_decode(
@@ -399,26 +480,95 @@ def tree_decode(
     Examples
     --------
     >>> step = jax.jit(lambda q, k, v, n: tree_decode(q, k, v, kv_len=n))  # doctest: +SKIP
+    >>> batched = jax.jit(jax.vmap(lambda q, k, v: tree_decode(q, k, v)))  # doctest: +SKIP
     """
     comm = extend.check_comm(comm)
-    q, k, v = (jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in (q, k, v))
-    try:
-        problem, t = _check_qkv(q, k, v)
-        lens, vis = _visibility(problem, t, kv_len, q_pos, k_pos, mask)
-        opts = extend.Options.resolve(problem.head_dim, strategy, scale)
-        if opts.strategy not in MERGING:
-            raise ValueError(
-                f"strategy {opts.strategy!r} moves K/V between ranks; the JAX adapter merges "
-                f"states: use one of {MERGING}"
-            )
+
+    def prepare(q, k, v):
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
-    except Exception as exc:  # the verdict rides in the agreement, on every rank
-        traced = _traced(q, k, v, kv_len, q_pos, k_pos, mask)
-        return _failed(_Step(comm, error=exc), traced, return_lse is True)
-    step = _Step(comm, problem, opts, t)
-    flag = jnp.zeros((), jnp.int32)
-    if lens is not None:
-        flag = jnp.any((lens < 0) | (lens > t)).astype(jnp.int32)
-    out, lse = _decode(step, q, k, v, (lens, vis, flag))
-    return (out, lse) if return_lse else out
+        return (*_as_jax(q, k, v), scale, ())
+
+    masking = dict(kv_len=kv_len, q_pos=q_pos, k_pos=k_pos, mask=mask)
+    out, lse = _attend(comm, (q, k, v), prepare, masking, strategy)
+    return (out, lse.astype(jnp.float32)) if return_lse is True else out
+
+
+def free_energy(
+    q,
+    k,
+    v,
+    zeta=None,
+    comm=None,
+    *,
+    scale=None,
+    kv_len=None,
+    q_pos=None,
+    k_pos=None,
+    mask=None,
+    strategy="auto",
+):
+    """Per-row energies over a KV cache sharded along the sequence; ``jax.grad`` gives attention.
+
+    The sharded form of :func:`mpitree.energy.free_energy`:
+    ``F = log sum_a exp(scale q.k_a + zeta.v_a)`` (natural log) over the
+    visible keys of every rank, on every rank, inside or outside ``jax.jit``
+    and ``jax.vmap``. Its gradient with respect to ``zeta`` is the attention
+    output (the paper's "attention is the gradient of the energy", across
+    ranks); with respect to ``q`` it is ``scale`` times the attention-weighted
+    mean of the keys. Collective over ``comm``.
+
+    Parameters
+    ----------
+    q : jax.Array
+        ``(B, Hq, Sq, D)``, float16/bfloat16/float32/float64, identical on every rank.
+    k, v : jax.Array
+        ``(B, Hkv, T, D)``, same dtype: this rank's shard (``T`` may differ between
+        ranks and may be 0); ``Hq % Hkv == 0``.
+    zeta : jax.Array, optional
+        ``(B, Hq, Sq, D)``, q's dtype: the source, identical on every rank; default 0.
+    comm, kv_len, q_pos, k_pos, mask, strategy
+        As in :func:`tree_decode`.
+    scale : float, optional
+        Logit scale, default ``1/sqrt(D)``. A Python number (it is agreed on).
+
+    Returns
+    -------
+    jax.Array
+        ``(B, Hq, Sq)`` in q's dtype; ``-inf`` for rows that see no key.
+
+    Raises
+    ------
+    Exception
+        On every rank, as :func:`tree_decode` raises.
+
+    Notes
+    -----
+    One decode of the augmented problem ``q' = [scale q, zeta]``,
+    ``k' = v' = [k, v]`` (head size ``2D``, scale 1, the agreement also holding
+    ``scale``): its log-sum-exp is ``F``, and its backward gives every gradient
+    (``dq`` and ``dzeta`` summed over every rank's keys). Keys that no row sees
+    contribute nothing, whatever their values.
+
+    Examples
+    --------
+    >>> attention = jax.grad(lambda z: free_energy(q, k, v, z).sum())(zeros)  # doctest: +SKIP
+    """
+    comm = extend.check_comm(comm)
+
+    def prepare(q, k, v, zeta):
+        q, k, v, zeta = _as_jax(q, k, v, zeta)
+        problem, _ = _check_qkv(q, k, v)
+        if zeta is None:
+            zeta = jnp.zeros(q.shape, q.dtype)
+        elif not _is_array(zeta) or zeta.shape != q.shape or zeta.dtype != q.dtype:
+            got = f"{zeta.dtype} {tuple(zeta.shape)}" if _is_array(zeta) else type(zeta).__name__
+            raise ValueError(f"zeta must be an array of q's shape and dtype, got {got}")
+        s = extend.Options.resolve(problem.head_dim, "allreduce", scale).scale
+        keys = jnp.concatenate([k, v], -1)
+        augmented = jnp.concatenate([q * jnp.asarray(s, q.dtype), zeta], -1)
+        return augmented, keys, keys, 1.0, (("energy scale", s),)
+
+    masking = dict(kv_len=kv_len, q_pos=q_pos, k_pos=k_pos, mask=mask)
+    _, lse = _attend(comm, (q, k, v, zeta), prepare, masking, strategy)
+    return lse.astype(q.dtype) if _is_array(q) else lse

@@ -1,5 +1,7 @@
 """mpitree.adapters.jax under real ranks: exact, jitted, differentiable, recompilation-free."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,7 +142,7 @@ def test_grad_equals_single_process_grad(dtype, tol):
 
 @pytest.mark.parallel(nprocs=[1, 2, 3, 4])
 def test_decode_loop_compiles_once():
-    """100 jitted steps over preallocated ragged shards: one trace, one compilation, exact."""
+    """100 jitted steps over preallocated ragged shards: one trace, one XLA compilation, exact."""
     comm = world()
     rank, size = comm.rank, comm.size
     steps, b, hq, hkv, d = 100, 1, 4, 2, 16
@@ -162,15 +164,26 @@ def test_decode_loop_compiles_once():
         return mj.tree_decode(q, k, v, kv_len=n)
 
     k_cache, v_cache = jnp.asarray(k_cache), jnp.asarray(v_cache)
-    for i in range(steps):
-        n = jnp.full((b,), np.count_nonzero(owner[: i + 1] == rank), jnp.int32)
-        out = step(jnp.asarray(queries[i]), k_cache, v_cache, n)
-        if i in (0, 1, 37, steps - 1):
-            ref = mpitree.reference_attention(
-                queries[i], keys[:, :, : i + 1], values[:, :, : i + 1]
-            )
-            assert_allclose(np.asarray(out), ref[0], atol=2e-5, rtol=0)
-    assert len(traces) == 1 and step._cache_size() == 1
+    filled = np.cumsum(owner[:, None] == rank, axis=0).astype(np.int32)  # (steps, 1)
+    inputs = [(jnp.asarray(queries[i]), jnp.asarray(np.repeat(filled[i], b))) for i in range(steps)]
+    compiles = []
+
+    def listen(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for i, (q, n) in enumerate(inputs):
+            out = step(q, k_cache, v_cache, n)
+            if i in (0, 1, 37, steps - 1):
+                ref = mpitree.reference_attention(
+                    queries[i], keys[:, :, : i + 1], values[:, :, : i + 1]
+                )
+                assert_allclose(np.asarray(out), ref[0], atol=2e-5, rtol=0)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert len(traces) == 1 and step._cache_size() == 1 and len(compiles) == 1, compiles
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
@@ -230,11 +243,204 @@ def test_pmax_psum_peer_check():
     assert_allclose(np.asarray(lse), m + np.log(d), atol=2e-6, rtol=0)
 
 
-@pytest.mark.parallel(nprocs=[1])
-def test_vmap_is_refused_clearly():
-    """An ordered callback has no batching rule: vmap raises when traced, before any collective."""
-    prob = make_problem(1, [4])
-    with pytest.raises(Exception, match=r"(?i)batch|vmap|ordered"):
-        jax.vmap(lambda q: mj.tree_decode(q, jnp.asarray(prob.k), jnp.asarray(prob.v)))(
-            jnp.asarray(prob.q)[None]
-        )
+def stacked(case, count, rank):
+    """``count`` problems of one case (seeds differ, shards alike): the problems and the
+    rank's q, k, v and masking arguments stacked on a new leading axis."""
+    probs = [make_problem(20 + i, sizes(), dtype=np.float64, **CASES[case]) for i in range(count)]
+    shards = [prob.shard(rank) for prob in probs]
+    q = np.stack([prob.q for prob in probs])
+    k, v = (np.stack([shard[j] for shard in shards]) for j in (0, 1))
+    names = [name for name, x in shards[0][2].items() if x is not None]
+    kw = {name: np.stack([shard[2][name] for shard in shards]) for name in names}
+    return probs, q, k, v, kw
+
+
+def callbacks(fn, *args):
+    """How many host callbacks (collective steps) one call of ``fn`` runs."""
+    return str(jax.make_jaxpr(fn)(*args)).count("io_callback[")
+
+
+VMAPS = [(case, "jit") for case in CASES] + [
+    ("gqa", "eager"),
+    ("positions", "q only, axis 1"),
+    ("gqa", "nested"),
+]
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3, 4])
+@pytest.mark.parametrize("case, form", VMAPS, ids=[f"{c}-{f}" for c, f in VMAPS])
+def test_vmap_exact_against_float64_reference(case, form):
+    """A vmapped axis becomes extra rows of the one merge: exact per element, one callback."""
+    rank = world().rank
+    probs, q, k, v, kw = stacked(case, 4, rank)
+    names = list(kw)
+
+    def decode(q, k, v, *masking):
+        return mj.tree_decode(q, k, v, return_lse=True, **dict(zip(names, masking, strict=True)))
+
+    args = [jnp.asarray(x) for x in (q, k, v, *kw.values())]
+    want = [prob.reference() for prob in probs]
+    if form == "q only, axis 1":  # q mapped along its axis 1; element 0's K/V for every q
+        fn = jax.jit(jax.vmap(decode, in_axes=(1, *[None] * (len(args) - 1)), out_axes=2))
+        args = [jnp.moveaxis(args[0], 0, 1), *(x[0] for x in args[1:])]
+        want = [dataclasses.replace(probs[0], q=prob.q).reference() for prob in probs]
+        unstack = lambda x, i: x[:, :, i]  # noqa: E731
+    elif form == "nested":  # (2, 2) elements
+        fn = jax.jit(jax.vmap(jax.vmap(decode)))
+        args = [x.reshape(2, 2, *x.shape[1:]) for x in args]
+        unstack = lambda x, i: x[i // 2, i % 2]  # noqa: E731
+    else:
+        fn = jax.vmap(decode) if form == "eager" else jax.jit(jax.vmap(decode))
+        unstack = lambda x, i: x[i]  # noqa: E731
+    assert callbacks(fn, *args) == 1
+    out, lse = fn(*args)
+    for i, (ref, ref_lse) in enumerate(want):
+        got, got_lse = np.asarray(unstack(out, i)), np.asarray(unstack(lse, i))
+        assert_allclose(got, ref, atol=1e-12, rtol=0)
+        fin = np.isfinite(ref_lse)
+        assert np.array_equal(np.isfinite(got_lse), fin)
+        assert_allclose(got_lse[fin], ref_lse[fin], rtol=1e-6, atol=1e-6)  # float32 lse
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3, 4])
+def test_grad_through_vmap_equals_single_process_grad():
+    """grad of a vmapped decode (and vmap of its grad): the backward's sum folds the same way."""
+    rank = world().rank
+    probs, q, k, v, kw = stacked("positions", 3, rank)
+    lo = sum(probs[0].sizes[:rank])
+    hi = lo + probs[0].sizes[rank]
+    scale = 1 / np.sqrt(q.shape[-1])
+    w = jnp.asarray(np.random.default_rng(3).standard_normal(q.shape))
+    pos = jnp.asarray(kw["q_pos"]), jnp.asarray(kw["k_pos"])
+
+    def loss_one(q, k, v, w, q_pos, k_pos):
+        return jnp.sum(mj.tree_decode(q, k, v, q_pos=q_pos, k_pos=k_pos) * w)
+
+    args = [jnp.asarray(x) for x in (q, k, v)]
+    grad_one = jax.grad(loss_one, argnums=(0, 1, 2))
+    forms = {
+        "grad of vmap": jax.jit(
+            jax.grad(lambda *a: jax.vmap(loss_one)(*a, w, *pos).sum(), argnums=(0, 1, 2))
+        )(*args),
+        "vmap of grad": jax.jit(jax.vmap(grad_one))(*args, w, *pos),
+    }
+
+    def ref_loss(q, k, v, visible, w):
+        return jnp.sum(naive_attention(q, k, v, visible, scale)[0] * w)
+
+    full = [np.stack([getattr(prob, name) for prob in probs]) for name in ("k", "v")]
+    visible = np.stack([prob.visible() for prob in probs])
+    want = jax.jit(jax.vmap(jax.grad(ref_loss, argnums=(0, 1, 2))))(q, *full, visible, w)
+    want = (want[0], want[1][..., lo:hi, :], want[2][..., lo:hi, :])
+    for name, grads in forms.items():
+        for got, ref in zip(grads, want, strict=True):
+            assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-12, rtol=0, err_msg=name)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize(
+    "bad", ["not vmapped", "axis sizes differ", "axis of size 0", "size 0 everywhere"]
+)
+def test_vmap_must_agree_on_every_rank(bad):
+    """A rank that vmaps differently (or not at all, or over nothing) fails on every rank."""
+    comm = world()
+    is_bad = comm.rank == comm.size - 1
+    probs, q, k, v, _ = stacked("gqa", 2, comm.rank)
+    decode = jax.jit(jax.vmap(mj.tree_decode))
+    args = [jnp.asarray(x) for x in (q, k, v)]
+    if bad == "size 0 everywhere" or (is_bad and bad == "axis of size 0"):
+        args = [x[:0] for x in args]
+    elif is_bad and bad == "axis sizes differ":
+        args = [jnp.concatenate([x, x[:1]]) for x in args]
+    elif is_bad and bad == "not vmapped":  # the same rows in the same order, one batch axis
+        decode = jax.jit(mj.tree_decode)
+        args = [x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) for x in args]
+    with pytest.raises(jax.errors.JaxRuntimeError) as info:
+        decode(*args).block_until_ready()
+    last = str(info.value).strip().splitlines()[-1]
+    if bad in ("not vmapped", "axis sizes differ"):
+        assert last.startswith("ValueError: mpitree: ranks disagree on vmap"), last
+    elif is_bad or bad == "size 0 everywhere":
+        assert last == "ValueError: jax.vmap over an axis of size 0: there is no row to merge"
+    else:
+        assert last.startswith(f"RankError: mpitree: invalid input on rank {comm.size - 1}"), last
+    out = jax.jit(jax.vmap(mj.tree_decode))(*(jnp.asarray(x) for x in (q, k, v)))
+    for i, prob in enumerate(probs):
+        assert_allclose(np.asarray(out[i]), prob.reference()[0], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3, 4])
+@pytest.mark.parametrize("dtype, tol", [("float64", 1e-10), ("float32", 2e-5)])
+def test_free_energy_grad_equals_single_process_grad(dtype, tol):
+    """jax.grad of the sharded energy (q, k, v, zeta) equals autodiff of mpitree.energy's
+    single-process free_energy over the whole cache; at zeta = 0 its zeta-gradient is the
+    attention output (float64 reference), and the energy is the reference lse."""
+    from mpitree.energy import free_energy
+
+    rank = world().rank
+    prob, k, v, kw = garbage_problem(dtype)
+    lo = sum(prob.sizes[:rank])
+    hi = lo + prob.sizes[rank]
+    rng = np.random.default_rng(5)
+    zeta = jnp.asarray(rng.standard_normal(prob.q.shape) * 0.5, dtype)
+    w = jnp.asarray(rng.standard_normal(prob.q.shape[:3]), dtype)
+    q = jnp.asarray(prob.q)
+
+    def loss(q, k, v, zeta):
+        return jnp.sum(mj.free_energy(q, k, v, zeta, **jax_kwargs(kw)) * w)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, jnp.asarray(k), jnp.asarray(v), zeta)
+    visible = jnp.asarray(prob.visible())
+
+    def ref_loss(q, k, v, zeta):
+        return jnp.sum(free_energy(q, k, v, zeta, mask=visible) * w.astype(jnp.float64))
+
+    full = [jnp.asarray(x, jnp.float64) for x in (prob.q, prob.k, prob.v, zeta)]
+    want = jax.jit(jax.grad(ref_loss, argnums=(0, 1, 2, 3)))(*full)
+    want = (want[0], want[1][:, :, lo:hi], want[2][:, :, lo:hi], want[3])
+    err = max(
+        float(np.abs(np.asarray(got, np.float64) - np.asarray(ref)).max(initial=0))
+        for got, ref in zip(grads, want, strict=True)
+    )
+    assert err < tol, err
+
+    @jax.jit
+    def energy_and_attention(q, k, v):
+        energy = lambda z: mj.free_energy(q, k, v, z, **jax_kwargs(kw))  # noqa: E731
+        f, pull = jax.vjp(energy, jnp.zeros_like(q))
+        return f, pull(jnp.ones_like(f))[0]  # dF/dzeta at zeta = 0
+
+    energy, attention = energy_and_attention(q, jnp.asarray(k), jnp.asarray(v))
+    ref, ref_lse = prob.reference()
+    assert_allclose(np.asarray(attention, np.float64), ref, atol=tol, rtol=0)
+    assert_allclose(np.asarray(energy, np.float64), ref_lse, atol=tol * 10, rtol=0)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("bad", ["zeta shape", "zeta dtype", "scale differs"])
+def test_free_energy_bad_input_raises_on_every_rank(bad):
+    """The energy's own checks and its scale ride in the agreement: every rank raises."""
+    comm = world()
+    is_bad = comm.rank == comm.size - 1
+    prob = make_problem(1, [4] * comm.size)
+    k, v = (jnp.asarray(x) for x in prob.shard(comm.rank)[:2])
+    q = jnp.asarray(prob.q)
+    zeta, options = jnp.ones_like(q), {}
+    if is_bad and bad == "zeta shape":
+        zeta = zeta[:, :1]
+    if is_bad and bad == "zeta dtype":
+        zeta = zeta.astype(jnp.float16)
+    if is_bad and bad == "scale differs":
+        options = dict(scale=0.5)
+    energy = jax.jit(lambda q, k, v, z: mj.free_energy(q, k, v, z, **options))
+    with pytest.raises(jax.errors.JaxRuntimeError) as info:
+        energy(q, k, v, zeta).block_until_ready()
+    last = str(info.value).strip().splitlines()[-1]
+    if bad == "scale differs":
+        assert last.startswith("ValueError: mpitree: ranks disagree on energy scale"), last
+    elif is_bad:
+        assert last.startswith("ValueError: zeta must be an array of q's shape"), last
+    else:
+        assert last.startswith(f"RankError: mpitree: invalid input on rank {comm.size - 1}"), last
+    _, ref_lse = prob.reference()
+    assert_allclose(np.asarray(mj.free_energy(q, k, v)), ref_lse, atol=2e-5, rtol=0)
