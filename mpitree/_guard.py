@@ -195,7 +195,7 @@ _encoded: dict = {}  # (entry point, Call.key) -> _Encoding
 class _Encoding:
     """A call's signature as agreement codes: the whole signature's, and each field's."""
 
-    __slots__ = ("codes", "compact", "native", "whole")
+    __slots__ = ("codes", "native", "whole")
 
     def __init__(self, fields, op):
         if len(fields) > MAX_FIELDS:
@@ -205,26 +205,38 @@ class _Encoding:
             record_op(*op)
         self.native = int(native_op_available())
         self.whole = _code(tuple(self.codes))
-        self.compact = np.array([_OK, self.native, self.whole, -self.whole], np.int64)
 
-    def vector(self, counts):
-        """Return the vector this rank sends: the compact codes, ``counts`` mixed into them."""
-        if not counts:
-            return self.compact.copy()
-        if len(self.codes) + len(counts) > MAX_FIELDS:
-            raise RuntimeError(f"mpitree internal error: {len(counts)} more signature fields")
-        values = [_count(v) for v in counts.values()]
-        data = struct.pack(f"<{len(values) + 1}q", self.whole, *values)
-        whole = int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
-        buf = self.compact.copy()
-        buf[2], buf[3] = whole, -whole
-        return buf
+    def code(self, counts):
+        """Return the code of the whole signature with ``counts`` mixed in."""
+        whole = self.whole
+        if counts:
+            if len(self.codes) + len(counts) > MAX_FIELDS:
+                raise RuntimeError(f"mpitree internal error: {len(counts)} more signature fields")
+            for value in counts.values():
+                whole = _mix(whole, _count(value))
+        return whole
 
     def wide(self, counts):
         """Return the per-field vector of the failure path (``counts`` as their own fields)."""
         codes = self.codes + [_count(v) for v in (counts or {}).values()]
         pad = [0] * (MAX_FIELDS - len(codes))
         return np.array([_OK, self.native, *codes, *pad, *(-c for c in codes), *pad], np.int64)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(code, value):
+    """Return a 56-bit code of a 56-bit ``code`` followed by ``value`` (an int in [0, 2**62)).
+
+    splitmix64's finalizer of ``code * phi + value`` (mod 2**64): an injective
+    start and a bijection, so each bit of either input flips about half of the
+    code's; pure integer arithmetic, the same in every process.
+    """
+    x = (code * 0x9E3779B97F4A7C15 + value) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 8
 
 
 def _count(value):
@@ -247,7 +259,9 @@ def _encoding(entry, call):
     return found
 
 
-_FAILED = np.array([_OK, 0, 0, 0], np.int64)
+# the agreement's four int64 (verdict, native op, code, -code), packed in a plain buffer and
+# sent as MPI_INT64_T: no array library on the path of a call that agrees
+_VECTOR = struct.Struct("=4q")
 
 
 def agree(comm, prepare):
@@ -283,23 +297,30 @@ def agree(comm, prepare):
     try:
         call = prepare()
         enc = _encoding(entry, call)
-        buf = enc.vector(call.counts)
-        expected = buf.tobytes()
+        whole = enc.code(call.counts)
     except Exception as exc:  # every local failure becomes this rank's verdict
         error = exc
-        buf = _FAILED.copy()
-        buf[0] = comm.Get_rank()
-    if comm.Get_size() > 1:
-        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MIN)
-        if error is None and buf.tobytes() == expected:
-            call.native = bool(buf[1])  # the agreed fact (a rank without the op sent 0)
-            return call
-    if buf[0] != _OK:
+    if comm.Get_size() == 1:
+        if error is not None:
+            raise_failure(comm, error)
+        call.native = bool(enc.native)  # one rank: its own verdict, codes and op
+        return call
+    if error is None:
+        sent = _VECTOR.pack(_OK, enc.native, whole, -whole)
+    else:
+        sent = _VECTOR.pack(comm.Get_rank(), 0, 0, 0)
+    buf = bytearray(sent)
+    comm.Allreduce(MPI.IN_PLACE, [buf, MPI.INT64_T], op=MPI.MIN)
+    if error is None and buf == sent:
+        call.native = bool(enc.native)  # every rank sent the same: its op is everywhere
+        return call
+    verdict, native, low, negated = _VECTOR.unpack(buf)
+    if verdict != _OK:
         raise_failure(comm, error)
-    if buf[2] != -buf[3]:
+    if low != -negated:
         fields = {"entry point": entry, **call.signature, **(call.counts or {})}
         _find_disagreement(comm, fields, enc.wide(call.counts))
-    call.native = bool(buf[1])
+    call.native = bool(native)  # the agreed fact (a rank without the op sent 0)
     return call
 
 

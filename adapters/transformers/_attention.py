@@ -393,7 +393,7 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, recipe, positi
     call, merger = extend.agree_merger(sharding.comm, prepare, like=like)
     opts, history, keep = call.payload
     if not view.sharded:
-        sharding.history = history
+        sharding.settle(history)
     step = view.step
     step.signature, step.scale, step.merger = recipe.signature, opts.scale, merger
     step.visible[_visible_key(mask, view)] = (mask, keep)  # the first layer's, computed above

@@ -15,6 +15,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from mpitree import extend
 
 PLACEMENTS = ("interleave", "last")
+_FEW_POSITIONS = 64  # a step of up to this many position ids appends them as ints
 
 
 class Step:
@@ -58,17 +59,17 @@ class Sharding:
     pending: object = None
     # the current model step (see :meth:`begin`)
     step: Step = field(init=False)
-    # (B, length) int64: the model's position id of every cached token, per batch row; the
-    # same on every rank (None: unknown, e.g. a model that passes no position_ids to attention)
-    history: torch.Tensor | None = None
+    # the position history (see :attr:`history`) as a tensor, before the rows appended since
+    whole_history: torch.Tensor | None = None
+    # per row, the position ids short steps appended since (ints; None: none)
+    appended: list | None = None
+    # per row, the largest position id of the history (ints; None: not known)
+    top: list | None = None
     # while :meth:`ShardedCache._capturing` runs: every layer's incoming (keys, values), in order
     captured: list | None = None
     # the last attention call's :class:`~._attention.Recipe`: layers and steps reuse its
     # signature dict and, once checked, its verdict, options and merge while its facts repeat
     recipe: object = None
-    # (history, its per-row max as ints, its buffer) after :meth:`advance`: the history is
-    # a prefix view of a buffer with spare room, so a step copies its own positions only
-    history_memo: tuple | None = None
     # (index, device, tensor [index]) of the last decode step's token: every layer's
     token_memo: tuple | None = None
     layers: int = 0  # the cache's layer count: a step's outputs are allocated together
@@ -84,10 +85,26 @@ class Sharding:
         """Copy the state and share the communicator (MPI communicators are never copied)."""
         twin = copy.copy(self)
         twin.pending = twin.captured = None
-        twin.history_memo = None  # its buffer is this cache's
         twin.step = Step(-1)
         twin.history = copy.deepcopy(self.history, memo)
         return twin
+
+    @property
+    def history(self):
+        """``(B, length)`` int64: the model's position id of every cached token, per batch row.
+
+        The same on every rank; None when unknown (e.g. a model that passes no
+        position_ids to attention).
+        """
+        if self.appended is not None:  # the rows short steps appended, joined on first read
+            whole = self.whole_history
+            more = torch.tensor(self.appended, dtype=whole.dtype, device=whole.device)
+            self.whole_history, self.appended = torch.cat([whole, more], 1), None
+        return self.whole_history
+
+    @history.setter
+    def history(self, value):
+        self.whole_history, self.appended, self.top = value, None, None
 
     def begin(self, layer_idx):
         """Return the :class:`Step` of an update of ``layer_idx``: a new one unless it increases."""
@@ -110,43 +127,42 @@ class Sharding:
         Re-fed: in every row, no new position goes past the ``before`` cached
         ones, so the step feeds tokens the cache already holds (``generate``
         re-runs a prompt that the cache holds entirely), which would store them
-        twice. The history is :meth:`extended`'s.
+        twice. The history is what :meth:`settle` makes the cache's once the step
+        is agreed: None (unknown), a tensor, or for a step of a few tokens its
+        rows as ints, to append, with the history's per-row maximum after it.
         """
-        history = self.history
-        if positions is None or (before and history is None):
+        if positions is None or (before and self.whole_history is None):
             return False, None
         if before == 0:
             return False, positions.clone()
-        if tuple(history.shape) != (len(positions), before):
+        rows, count = len(positions), self.whole_history.shape[1]
+        if self.appended:
+            count += len(self.appended[0])
+        if (rows, count) != (self.whole_history.shape[0], before):
             return False, None
-        new, old = positions.amax(-1).tolist(), self._top(history)
-        width = positions.shape[1]
-        memo = self.history_memo
-        buffer = memo[2] if memo is not None and memo[0] is history else None
-        if buffer is None or before + width > buffer.shape[1]:
-            room = max(before + width, before + before // 2, 256)
-            buffer = history.new_empty(len(history), room)
-            buffer.narrow(1, 0, before).copy_(history)
-        buffer.narrow(1, before, width).copy_(positions)
-        out = buffer.narrow(1, 0, before + width)
-        self.history_memo = (out, [max(n, h) for n, h in zip(new, old, strict=True)], buffer)
-        return all(n <= h for n, h in zip(new, old, strict=True)), out
+        top = self.top
+        if top is None:
+            top = self.top = self.history.amax(-1).tolist()
+        if rows and positions.numel() <= _FEW_POSITIONS:
+            new = positions.tolist()
+            high = [max(row) for row in new]
+            after = (new, [max(n, h) for n, h in zip(high, top, strict=True)])
+        else:
+            high = positions.amax(-1).tolist()
+            after = torch.cat([self.history, positions.to(self.whole_history.device)], 1)
+        return all(n <= h for n, h in zip(high, top, strict=True)), after
 
-    def _top(self, history):
-        """Return ``history``'s per-row max position (ints), kept from :meth:`advance`."""
-        memo = self.history_memo
-        if memo is not None and memo[0] is history:
-            return memo[1]
-        return history.amax(-1).tolist()
-
-    def extended(self, positions, before):
-        """Return the history of ``before`` cached tokens with a step's ``(B, Sq)`` positions.
-
-        The current history stays as it is: the result is a longer view of its
-        buffer when it has one (a step that fails leaves the history it had).
-        None when the positions are unknown.
-        """
-        return self.advance(positions, before)[1]
+    def settle(self, after):
+        """Make a step's history (from :meth:`advance`) the cache's, once the step is agreed."""
+        if type(after) is not tuple:
+            self.history = after
+            return
+        rows, self.top = after
+        if self.appended is None:
+            self.appended = rows
+        else:
+            for kept, row in zip(self.appended, rows, strict=True):
+                kept += row
 
     def follow_rows(self, select):
         """Apply a batch operation ``select`` (reorder, repeat, select) to the per-row history."""
@@ -560,7 +576,7 @@ class ShardedCache(Cache):
     def reset(self):
         """Forget every token of every layer."""
         super().reset()
-        self.sharding.history = self.sharding.history_memo = None
+        self.sharding.history = None
         self.sharding.edits = 0
 
     def reorder_cache(self, beam_idx):
@@ -628,7 +644,7 @@ class ShardedCache(Cache):
         before = self.get_seq_length()
         for layer, k, v in zip(self.layers, keys, values, strict=True):
             layer._update(k, v)
-        self.sharding.history = self.sharding.extended(positions, before)
+        self.sharding.settle(self.sharding.advance(positions, before)[1])
 
     @contextmanager
     def _prefilling(self, step):
