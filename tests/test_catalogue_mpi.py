@@ -599,9 +599,13 @@ def test_catalogue_covers_every_entry_point(monkeypatch):
     assert all(len(make()) >= 3 for make in CATALOGUE.values())
 
 
-# Modules allowed to call MPI: the guard, the strategies (data collectives behind
-# the merger), the node split, the private communicator, and the command line.
-MPI_MODULES = {"_guard.py", "_topology.py", "_runtime.py", "_merger.py"}
+# Modules allowed to call MPI: the guard, the strategies and invariant mode's merger
+# (data collectives behind the merger), sharded prefill's collectives (each carrying
+# the failure flags), the node split, the private communicator, and the command line.
+MPI_MODULES = {
+    "_guard.py", "_topology.py", "_runtime.py", "_merger.py", "_invariant_merger.py",
+    "_prefill_collectives.py",
+}  # fmt: skip
 MPI_CALLS = {
     "Allreduce", "Allgather", "Allgatherv", "Bcast", "Reduce", "Reduce_scatter", "Barrier",
     "Isend", "Irecv", "Send", "Recv", "Allreduce_init", "Split", "Split_type", "Dup",
