@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,7 +151,8 @@ def _recipe(query, key, value, scaling, sharding, sharded):
         key.shape[:2] + key.shape[3:],
         value.shape[:2] + value.shape[3:],
         key.shape[2:3] == value.shape[2:3],
-        query.device == key.device == value.device,
+        (query.is_cpu and key.is_cpu and value.is_cpu)
+        or query.device == key.device == value.device,
         (type(query), type(key), type(value)),
         scaling.hex() if type(scaling) is float else scaling,  # -0.0 is not 0.0
         sharded,
@@ -465,8 +467,8 @@ class StepFast:
         if self.out_shape is None:  # the step's first: one block for every layer's output
             self.out_shape = shape
             block = torch.empty((max(layers, 1), *shape), dtype=torch.float32)
-            size = block[0].numel() * block.element_size()
-            self.outs = [(x, block.data_ptr() + i * size) for i, x in enumerate(block.unbind(0))]
+            size, base = math.prod(shape) * 4, block.data_ptr()  # float32: 4 bytes
+            self.outs = [(x, base + i * size) for i, x in enumerate(block.unbind(0))]
             return self.outs.pop()
         out = torch.empty(shape, dtype=torch.float32)
         return out, out.data_ptr()

@@ -143,7 +143,7 @@ class Sharding:
         top = self.top
         if top is None:
             top = self.top = self.history.amax(-1).tolist()
-        if rows and positions.numel() <= _FEW_POSITIONS:
+        if rows and rows * positions.shape[1] <= _FEW_POSITIONS:
             new = positions.tolist()
             high = [max(row) for row in new]
             after = (new, [max(n, h) for n, h in zip(high, top, strict=True)])
