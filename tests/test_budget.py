@@ -1,5 +1,6 @@
 """The adaptive draft budget (transformers adapter): tree sizes, pruning, the cost's fit."""
 
+import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
@@ -75,6 +76,21 @@ def test_a_costly_first_node_favours_deep_trees():
     assert budget.prune(chain).shape[2] == 0
 
 
+def test_a_tree_that_never_pays_is_asked_for_after_doubling_waits():
+    """Four candidates a depth at c = 0.5: no cut pays though a single chain would."""
+    budget, asked = Budget(0.5, MPI.COMM_SELF), []
+    wide = torch.arange(16).reshape(1, 4, 4) + 1
+    for _ in range(24):
+        asked.append(budget.drafts())
+        cut = budget.prune(wide) if asked[-1] else wide[:, :, :0]
+        budget.start()
+        if cut.shape[2]:
+            budget.saw(cut.shape[2], cut.shape[2], tree_nodes(cut)[-1])
+        else:
+            budget.plain()
+    assert sum(asked) <= 8, asked  # was asked 22 times in 23 steps, every tree pruned away
+
+
 def test_every_step_budget_keeps_every_draft():
     assert run(Budget(None, MPI.COMM_SELF), 8, accept=0) == [4] * 8
 
@@ -119,5 +135,5 @@ def test_the_measured_cost_keeps_the_prior_slope_until_tree_sizes_vary(monkeypat
 def test_bad_node_costs_raise(bad, error):
     with pytest.raises(error, match="node_cost"):
         check_node_cost(bad)
-    for good in ("auto", None, 0, 0.15):
+    for good in ("auto", None, 0, 0.15, np.float32(0.5), np.float64(2)):
         check_node_cost(good)

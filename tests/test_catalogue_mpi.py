@@ -520,7 +520,7 @@ class Drafted:
 
 
 def generate_cases():
-    def call(bad, change=None, cache=True, new=4, sample=None, cost="auto"):
+    def call(bad, change=None, cache=True, new=4, sample=None, cost="auto", ends=None):
         m = model()
         ids, _ = prompt(9, False)
         sharded = mtt.ShardedCache(m.config, block_size=4)
@@ -533,6 +533,7 @@ def generate_cases():
             max_new_tokens=new if bad else 4,
             node_cost=cost if bad else "auto",
             **{**sampling, **(sample if bad and sample else {})},
+            **(ends if bad and ends else {}),
         )
 
     def raises(beam, depth):
@@ -551,6 +552,8 @@ def generate_cases():
         "node_cost negative": lambda bad: call(bad, cost=-0.1),
         "node_cost a string": lambda bad: call(bad, cost="fast"),
         "node_costs differ": lambda bad: call(bad, cost=0.15),
+        "eos_token_ids differ": lambda bad: call(bad, ends=dict(eos_token_id=5)),
+        "stop_strings without a tokenizer": lambda bad: call(bad, ends=dict(stop_strings=["."])),
         "negative temperature": lambda bad: call(bad, sample=dict(temperature=-1.0)),
         "top_p 0": lambda bad: call(bad, sample=dict(top_p=0.0)),
         "top_k negative": lambda bad: call(bad, sample=dict(top_k=-3)),

@@ -21,6 +21,7 @@ alike.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 
 import numpy as np
@@ -38,7 +39,7 @@ def check_node_cost(node_cost):
     """Raise unless ``node_cost`` is ``"auto"``, None or a finite float ``>= 0``."""
     if node_cost is None or (isinstance(node_cost, str) and node_cost == "auto"):
         return
-    if isinstance(node_cost, bool) or not isinstance(node_cost, (int, float)):
+    if isinstance(node_cost, bool) or not isinstance(node_cost, numbers.Real):
         raise TypeError(f"node_cost must be 'auto', None or a float >= 0, got {node_cost!r}")
     if not math.isfinite(node_cost) or node_cost < 0:
         raise ValueError(f"node_cost must be 'auto', None or a float >= 0, got {node_cost!r}")
@@ -86,6 +87,7 @@ class Budget:
         self.plains = np.zeros(2)  # decayed sums of 1, t over plain steps
         self.trees = np.zeros(5)  # decayed sums of 1, n, t, n*n, n*t over verified steps
         self.wait, self.backoff, self.probe = 0, 1, False
+        self.held = False  # the last tree did not pay: wait before asking the drafter again
         self.started = 0.0
 
     def _gain(self, depth):
@@ -108,11 +110,11 @@ class Budget:
 
     def drafts(self):
         """Whether this step asks the drafter."""
-        if self.every or self._pays():
+        if self.every or (self._pays() and not self.held):
             return True
         self.wait -= 1
         if self.wait < 0:
-            self.probe = True
+            self.probe, self.held = True, False
             return True
         return False
 
@@ -124,6 +126,8 @@ class Budget:
         best = max(range(len(nodes)), key=lambda k: (self._value(k, nodes[k]), -k))
         if best == 0 and self.probe:
             best = 1
+        elif best == 0:  # no cut of this tree pays: ask again after a wait
+            self.held, self.wait, self.backoff = True, self.backoff, 2 * self.backoff
         self.probe = False
         return beam[:, :, :best].contiguous()
 
@@ -150,10 +154,10 @@ class Budget:
                 self.rates[i] = 0.5 * (self.rates[i] + hit)
         if self.measured:
             self._agree_cost()
-        if self._pays():
+        if self._value(depth, nodes) > 1.0:  # the tree verified paid: keep drafting
             self.backoff = 1
         else:
-            self.wait, self.backoff = self.backoff, 2 * self.backoff
+            self.held, self.wait, self.backoff = True, self.backoff, 2 * self.backoff
 
     def _seconds(self):
         """Return the seconds since :meth:`start`."""

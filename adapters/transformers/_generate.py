@@ -56,9 +56,12 @@ def _positive(name, value):
 
 
 def _check_start(
-    model, input_ids, cache, drafter, max_new_tokens, attention_mask, node_cost, sampling
+    model, input_ids, cache, drafter, max_new_tokens, attention_mask, node_cost, sampling, ends
 ):
-    """Validate :func:`generate`'s arguments; return the agreed signature and the sampler."""
+    """Validate :func:`generate`'s arguments; return a call of the signature, (sampler, stops).
+
+    ``ends``: ``(eos_token_id, pad_token_id, stop_strings, tokenizer)``.
+    """
     if not isinstance(cache, ShardedCache):
         raise TypeError(f"cache must be a ShardedCache, got {type(cache).__name__}")
     if getattr(model.config, "_attn_implementation", None) != "mpitree":
@@ -95,14 +98,19 @@ def _check_start(
         )
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     sampler, agreed = sampler_for(model, *sampling)
+    stops = _Stops(model, input_ids.shape[1], input_ids.shape[0], *ends)
     signature = {
         "input": (*input_ids.shape, cached),
         "max_new_tokens": max_new_tokens,
-        "node_cost": node_cost,  # the ranks' budgets must decide alike
+        # the ranks' budgets must decide alike (1 and 1.0 are the same cost)
+        "node_cost": node_cost
+        if node_cost is None or isinstance(node_cost, str)
+        else float(node_cost),
         "prompt": _digest(input_ids, mask.long()),
+        "ends": stops.signature(),  # rows must end alike on every rank
         **agreed,
     }
-    return extend.Call(signature, sampler)
+    return extend.Call(signature, (sampler, stops))
 
 
 def _choose(logits, sampler, column):
@@ -156,6 +164,12 @@ class _Stops:
         self.stop, self.tokenizer = [stop] if isinstance(stop, str) else list(stop or ()), tokenizer
         self.start = prompt_len
         self.end = torch.full((batch,), -1, dtype=torch.long)  # sequence length at the end
+
+    def signature(self):
+        """Return what every rank must share: the end tokens, the padding, the stop strings."""
+        name = None if self.tokenizer is None else getattr(self.tokenizer, "name_or_path", "")
+        pad = None if self.pad is None else int(self.pad)
+        return (tuple(self.eos.tolist()), pad, tuple(self.stop), name)
 
     def see(self, tokens, new):
         """Note the rows that ended among the last ``new`` tokens of ``tokens`` ``(B, S)``."""
@@ -371,8 +385,9 @@ def generate(
     """
     comm = extend.check_comm(getattr(cache, "comm", None))
     sampling = (do_sample, temperature, top_k, top_p, seed)
+    ends = (eos_token_id, pad_token_id, stop_strings, tokenizer)
     start = (model, input_ids, cache, drafter, max_new_tokens, attention_mask, node_cost, sampling)
-    sampler = extend.agree(comm, lambda: _check_start(*start)).payload
+    sampler, stops = extend.agree(comm, lambda: _check_start(*start, ends)).payload
     tokens = input_ids.long()
     b, s = tokens.shape
     mask = torch.ones_like(tokens) if attention_mask is None else attention_mask.long()
@@ -387,7 +402,6 @@ def generate(
         ).logits
     tokens = torch.cat([tokens, _choose(logits[:, -1], sampler, s)], 1)
     mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-    stops = _Stops(model, s, b, eos_token_id, pad_token_id, stop_strings, tokenizer)
     stops.see(tokens, 1)
     if streamer is not None:
         streamer.put(input_ids[0].cpu())
