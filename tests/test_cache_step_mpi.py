@@ -104,3 +104,54 @@ def test_a_scaling_changed_on_one_rank_after_steady_steps_raises_on_every_rank()
     scaling = 0.5 if world().rank == world().size - 1 else None
     with pytest.raises(ValueError, match=r"ranks disagree on .*scaling"):
         forward(cache, 100, 1, whole, scaling)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_a_forward_that_failed_midway_raises_on_every_rank_at_the_next_step():
+    """Layers a step apart are refused (they silently merged a mix of steps before)."""
+    cache = mtt.ShardedCache(block_size=2)
+    whole = {}
+    for step in range(4):
+        forward(cache, 10 * step, 1, whole)
+    q, k, v = tensors(50, 1)
+    keys, values = cache.update(k, v, CACHED[0])
+    mtt.attention_interface(None, q, keys, values, None)  # then the next layer's hook raised
+    with pytest.raises(ValueError, match="failed midway"):  # the retry
+        for layer in CACHED:
+            mtt.attention_interface(None, q, *cache.update(k, v, layer), None)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parametrize("pattern", ["shared", "updates first"])
+def test_shard_keys_attended_away_from_their_update_raise_on_every_rank(pattern):
+    """A layer's K/V attended by another layer's call, or after another update, are refused.
+
+    Such calls attended this rank's shard alone as if it were every key, silently
+    (one layer's K/V shared with later layers, as Gemma3n's KV sharing does).
+    """
+    cache = mtt.ShardedCache(block_size=2)
+    whole = {}
+    for step in range(3):
+        forward(cache, 10 * step, 1, whole)
+    q, k, v = tensors(70, 1)
+    first = cache.update(k, v, CACHED[0])
+    with pytest.raises(ValueError, match="K/V other than"):
+        if pattern == "shared":
+            mtt.attention_interface(None, q, *first, None)
+            mtt.attention_interface(None, q, *first, None)  # the next layer reuses them
+        else:
+            cache.update(k, v, CACHED[1])
+            mtt.attention_interface(None, q, *first, None)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_a_batch_kept_by_mask_on_one_rank_and_by_indices_on_another_raises():
+    """``[True, True]`` keeps rows 0 and 1; ``[1, 1]`` doubles row 1: the edits differ."""
+    cache = mtt.ShardedCache(block_size=2)
+    whole = {}
+    for step in range(3):
+        forward(cache, 10 * step, 1, whole)
+    last = world().rank == world().size - 1
+    cache.batch_select_indices(torch.tensor([1, 1]) if last else torch.tensor([True, True]))
+    with pytest.raises(ValueError, match=r"ranks disagree on .*cache edits"):
+        forward(cache, 100, 1, whole)

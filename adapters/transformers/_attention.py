@@ -11,7 +11,7 @@ from transformers.masking_utils import causal_mask_function, prepare_padding_mas
 
 from mpitree import extend
 
-from ._cache import take_view
+from ._cache import foreign_shard, take_view
 from ._prefill import sharded_attention
 
 
@@ -680,6 +680,7 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
     view = take_view(key)
     error = _unsupported(attention_mask, dropout, kw)
     if view is None:
+        error = error or foreign_shard(key)
         out = _unsharded(query, key, value, attention_mask, scaling, error)
         return out.transpose(1, 2).contiguous(), None
     view.error = view.error or error

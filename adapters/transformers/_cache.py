@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -30,10 +31,15 @@ class Step:
     ``signature``, ``scale`` and ``merger``; every later layer is held to them.
     """
 
-    __slots__ = ("fast", "index", "merger", "scale", "signature", "visible")
+    __slots__ = (
+        "__weakref__", "fast", "index", "layers", "length", "merger", "scale", "signature",
+        "visible",
+    )  # fmt: skip
 
     def __init__(self, index):
         self.index = index  # the layer index of the step's last update
+        self.length = None  # the global length of the step's first updated layer before it
+        self.layers = []  # weak references to the layers updated in this step, in order
         self.signature = None  # what every rank agreed on (None: no agreement yet)
         self.scale = None
         self.merger = None  # the shared merger for the step's layers (None under prefill)
@@ -223,7 +229,35 @@ _handoff = threading.local()  # .view: the View of the last update in this threa
 
 def _hand_over(view):
     """Leave ``view`` for the attention call that follows the update."""
-    _handoff.view = view
+    _handoff.view, _handoff.step = view, weakref.ref(view.step)
+
+
+def foreign_shard(key):
+    """Return an error if ``key`` is a shard of a layer updated in this thread's last step.
+
+    Such keys reached attention without the update that returned them just
+    before: one layer's K/V reused by another layer's attention (KV sharing, e.g.
+    Gemma3n), or attended after another layer's update. Each rank holds only its
+    shard of them, so attending them locally would be silently wrong.
+    """
+    step = getattr(_handoff, "step", lambda: None)()
+    if step is None or key.device.type == "meta":
+        return None
+    storage = key.untyped_storage().data_ptr()
+    for ref in step.layers:
+        layer = ref()
+        if (
+            layer is not None
+            and layer.is_initialized
+            and layer.keys.untyped_storage().data_ptr() == storage
+        ):
+            return ValueError(
+                "ShardedCache: an attention call got a cache layer's K/V other than the "
+                "ones its own cache update just returned (one layer's K/V shared with later "
+                "layers, as Gemma3n's KV sharing does, or attended after another layer's "
+                "update); each rank holds only its shard of them: not supported"
+            )
+    return None
 
 
 def take_view(key):
@@ -311,6 +345,16 @@ class ShardedLayer(CacheLayerMixin):
 
     def _update(self, key_states, value_states):
         """:meth:`update`, raising on failure; return the step's :class:`View`."""
+        step = self.sharding.step
+        step.layers.append(weakref.ref(self))
+        if step.length is None:
+            step.length = self.length
+        elif self.length != step.length:
+            raise ValueError(
+                f"ShardedCache: this layer holds {self.length} tokens, the step's first layer "
+                f"{step.length}: a forward that failed midway left some layers a step ahead; "
+                "reset the cache (cache.reset()) and prefill it again"
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.keys.shape[0] or key_states.shape[1] != self.keys.shape[1]:
@@ -598,7 +642,10 @@ class ShardedCache(Cache):
             ends = (indices.start, indices.stop, indices.step)
             self.sharding.edited(5, *(-(2**62) if x is None else x for x in ends))
         else:
-            self.sharding.edited(4, *torch.as_tensor(indices).reshape(-1).tolist())
+            rows = torch.as_tensor(indices)
+            if rows.dtype == torch.bool:  # a mask keeps rows, as their indices do
+                rows = rows.nonzero()[:, 0]
+            self.sharding.edited(4, *rows.reshape(-1).tolist())
         self.sharding.follow_rows(lambda history: history[indices, ...])
 
     @property
