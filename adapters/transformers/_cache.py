@@ -332,6 +332,7 @@ class ShardedLayer(CacheLayerMixin):
         that own the new tokens.
         """
         try:
+            self._join_step()
             view = self._update(key_states, value_states)
         except Exception as exc:
             empty = torch.empty(0, dtype=torch.long)
@@ -343,8 +344,8 @@ class ShardedLayer(CacheLayerMixin):
         _hand_over(view)
         return keys, values
 
-    def _update(self, key_states, value_states):
-        """:meth:`update`, raising on failure; return the step's :class:`View`."""
+    def _join_step(self):
+        """Join the cache's model step; raise if this layer's length is not the step's."""
         step = self.sharding.step
         step.layers.append(weakref.ref(self))
         if step.length is None:
@@ -355,6 +356,9 @@ class ShardedLayer(CacheLayerMixin):
                 f"{step.length}: a forward that failed midway left some layers a step ahead; "
                 "reset the cache (cache.reset()) and prefill it again"
             )
+
+    def _update(self, key_states, value_states):
+        """:meth:`update`, raising on failure; return the step's :class:`View`."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.keys.shape[0] or key_states.shape[1] != self.keys.shape[1]:
