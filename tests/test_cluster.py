@@ -2,6 +2,7 @@
 network namespaces, the hierarchical layout found by MPI, shaped links, and teardown always."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -319,11 +320,13 @@ def test_bad_requests_are_refused():
 def test_cli_runs_the_command_and_returns_its_exit_code():
     res = subprocess.run(
         [PY, "-m", "mpitree", "cluster", "--nodes", "2", "--ranks-per-node", "2", "--link",
-         "1gbit", "--", PY, "-c", "import socket; print(socket.gethostname())"],
+         "1gbit", "--", PY, "-c",
+         "import os, socket; os.write(1, (socket.gethostname() + chr(10)).encode())"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
-    hosts = sorted(res.stdout.split())
+    # mpiexec forwards each rank's stdout as it comes: lines of two nodes can interleave
+    hosts = sorted(re.findall(r"mpitree-[0-9a-f]+-n[0-9]+", res.stdout))
     tag = hosts[0].split("-")[1]
     assert hosts == [f"mpitree-{tag}-n{i}" for i in (0, 0, 1, 1)]
     assert leftovers(tag) == []
