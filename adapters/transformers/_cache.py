@@ -32,8 +32,8 @@ class Step:
     """
 
     __slots__ = (
-        "__weakref__", "fast", "index", "layers", "length", "merger", "scale", "signature",
-        "visible",
+        "__weakref__", "fast", "index", "layers", "length", "merger", "ref", "scale",
+        "signature", "visible",
     )  # fmt: skip
 
     def __init__(self, index):
@@ -48,6 +48,7 @@ class Step:
         # the step's one-call state (_attention.StepFast) once a layer asked for it;
         # False: no layer runs its one call
         self.fast = None
+        self.ref = weakref.ref(self)  # handed to each layer's attention call (built once)
 
 
 @dataclass
@@ -229,7 +230,7 @@ _handoff = threading.local()  # .view: the View of the last update in this threa
 
 def _hand_over(view):
     """Leave ``view`` for the attention call that follows the update."""
-    _handoff.view, _handoff.step = view, weakref.ref(view.step)
+    _handoff.view, _handoff.step = view, view.step.ref
 
 
 def foreign_shard(key):
@@ -314,6 +315,7 @@ class ShardedLayer(CacheLayerMixin):
         # the attention's one-call decode step over this layer's buffers (None: unbound); see
         # _attention._fast_attention. Dropped whenever the buffers are replaced.
         self.fast = None
+        self.ref = weakref.ref(self)  # what a step lists this layer by (built once, not per step)
 
     def lazy_initialization(self, key_states, value_states):
         """Create empty shards with the states' batch, heads, dim, dtype and device."""
@@ -346,8 +348,10 @@ class ShardedLayer(CacheLayerMixin):
 
     def _join_step(self):
         """Join the cache's model step; raise if this layer's length is not the step's."""
-        step = self.sharding.step
-        step.layers.append(weakref.ref(self))
+        step, ref = self.sharding.step, self.ref
+        if ref() is not self:  # a deep copy holds its original's reference
+            ref = self.ref = weakref.ref(self)
+        step.layers.append(ref)
         if step.length is None:
             step.length = self.length
         elif self.length != step.length:
