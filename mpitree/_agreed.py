@@ -8,6 +8,10 @@ from ._merger import Merger, merger_for
 from ._options import INVARIANT
 from ._strategies import resolve
 
+# (comm, merge, native, merger) of the last shared merger: a call that repeats the same
+# agreed ``merge`` tuple (a kept template's, step after step) skips resolve and merger_for
+_last = None
+
 
 def agree_merger(comm, prepare, *, like=None, owned=False):
     """Run a call's one agreement, then resolve its strategy and get its merger.
@@ -51,6 +55,17 @@ def agree_merger(comm, prepare, *, like=None, owned=False):
     call = agree(comm, prepare)
     if call.merge is None:
         return call, None
+    last = _last
+    if (
+        last is not None
+        and last[1] is call.merge
+        and last[0] is comm
+        and last[2] == call.native
+        and like is None
+        and not owned
+        and last[3].alive
+    ):
+        return call, last[3]
     rows, head_dim, acc, opts = call.merge
     if opts.deterministic == INVARIANT:
         if owned:
@@ -59,4 +74,13 @@ def agree_merger(comm, prepare, *, like=None, owned=False):
     chosen = resolve(opts.strategy, comm, call.native, opts.node_size, opts.deterministic)
     if owned:
         return call, Merger(comm, rows, head_dim, acc, chosen, node_size=opts.node_size, like=like)
-    return call, merger_for(comm, rows, head_dim, acc, chosen, opts.node_size, like)
+    merger = merger_for(comm, rows, head_dim, acc, chosen, opts.node_size, like)
+    if like is None:
+        _remember(comm, call, merger)
+    return call, merger
+
+
+def _remember(comm, call, merger):
+    """Keep ``merger`` as the one for ``call.merge`` on ``comm`` (until it is freed)."""
+    global _last
+    _last = (comm, call.merge, call.native, merger)

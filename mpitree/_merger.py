@@ -100,6 +100,11 @@ class Merger:
         """Release the merger's MPI resources now (otherwise when it is collected)."""
         self._finalizer()
 
+    @property
+    def alive(self):
+        """Whether the merger can still merge (not freed, nor evicted from its cache)."""
+        return self._finalizer.alive
+
     def __repr__(self):
         rows, width = self.records.shape
         return f"Merger({self.strategy!r}, rows={rows}, D={width - 2}, {self.buf.dtype})"

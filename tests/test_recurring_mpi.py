@@ -97,6 +97,27 @@ def test_recurring_tree_decode_keeps_no_reference_to_its_arrays():
     assert all(r() is None for r in refs)
 
 
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_a_recurring_call_reuses_its_merger_until_it_is_freed():
+    """The agreed merger repeats without a look-up; a freed one is never merged with again."""
+    from mpitree import _agreed, _merger
+
+    comm = world()
+    steps = list(growing_cache(comm, 5))
+    mergers = []
+    for i, (q, k, v, ref) in enumerate(steps):
+        out = mpitree.tree_decode(q, k, v, comm)
+        assert_allclose(out, reference_attention(*ref)[0], atol=2e-5, rtol=0)
+        mergers.append(_agreed._last[3])
+        if i == 2:  # evict it from the communicator's cache, as a 17th merger would
+            cache = comm.Get_attr(_merger._keyval)
+            (key,) = [key for key, m in cache.items() if m is mergers[-1]]
+            cache.pop(key).free()
+    assert mergers[0] is mergers[1] is mergers[2]
+    assert mergers[3] is mergers[4] and mergers[3] is not mergers[2]
+    assert mergers[3].alive and not mergers[2].alive
+
+
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_nan_after_layout_recurred_stays_nan():
     """A NaN value on one rank poisons its rows everywhere, on a remembered layout too."""
