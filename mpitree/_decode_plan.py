@@ -12,13 +12,11 @@ from ._agreed import agree_merger
 from ._checks import Problem
 from ._guard import Call, agree, check_comm, entry_point
 from ._invariant_step import _placement_unused, invariant_pieces, invariant_signature
-from ._kernel import Prepared
-from ._local import BLOCK_SCORES
 from ._namespace import Array
 from ._options import INVARIANT, Options
 from ._runtime import limit_blas_threads
 from ._state import finish
-from ._step import _layout, local_attention, validated
+from ._step import KernelSlot, local_attention, validated
 
 FAST_PATH = True  # plans skip re-validating an unchanged layout (False: benchmarks, tests)
 
@@ -119,7 +117,7 @@ class DecodePlan:
         self._ranks = comm.Get_size()  # for repr, which may run after MPI.Finalize()
         limit_blas_threads()
         self._lazy = _LazyStep(self)
-        self._fast = None  # (layout, Prepared) of the last step that ran the full checks
+        self._kernel = KernelSlot()  # bound to the layout of the last step that passed the checks
 
     @property
     def scale(self) -> float:
@@ -239,66 +237,36 @@ class _LazyStep:
 
     Fast path: when a step has the layout (:func:`_layout`) of the last step that
     passed the full checks, and no positions or mask, only what can change within
-    a layout is checked (K and V lengths agree, ``kv_len`` in range) and the C
-    kernel runs with its prepared arguments. Any other step takes the full checks.
+    a layout is checked (:meth:`KernelSlot.step`: K and V lengths agree, the
+    step is not a prompt, ``kv_len`` in range) and the plan's bound kernel runs.
+    Any other step takes the full checks.
     """
 
     def __init__(self, plan):
         self.plan, self.args, self.step = plan, None, None
-        self.q_len = plan.problem.q_len
 
     def fill(self, records):
         """Validate against the plan, then compute this shard's state."""
         plan, args = self.plan, self.args
-        fast = plan._fast
         if (
-            fast is not None
-            and FAST_PATH
+            FAST_PATH
             and args[4] is None
             and args[5] is None
             and args[6] is None
+            and plan._kernel.step(*args[:4], records)
         ):
-            q, k, v, kv_len = args[:4]
-            if _layout(q, k, v, kv_len) == fast[0] and self._fast(
-                fast[1], q, k, v, kv_len, records
-            ):
-                return
-        plan._fast = None
+            return
+        plan._kernel.unbind()
         self.step = plan._step(args)
         self.step.fill(records)
-        self._prepare(records)
-
-    def _fast(self, prepared, q, k, v, kv_len, records):
-        """Run the prepared kernel if this step's length-dependent checks pass; else False."""
-        t = k.shape[2]
-        if v.shape[2] != t:
-            return False
-        if self.q_len > 1 and self.q_len > max(
-            1, BLOCK_SCORES // max(1, self.plan.problem.batch * self.plan.problem.q_heads * t)
+        if (
+            args[4] is None
+            and args[5] is None
+            and args[6] is None
+            and records.dtype == np.float32
+            and records.flags.c_contiguous
         ):
-            return False  # a prompt: attend() splits it into blocks of rows
-        lens = None
-        if kv_len is not None:
-            values = kv_len.tolist()
-            if min(values) < 0 or max(values) > t:
-                return False  # the full checks raise the error
-            lens = prepared.lens
-            lens[:] = values
-        prepared.run(q, k, v, lens, records)
-        return True
-
-    def _prepare(self, records):
-        """After a step passed the full checks: keep its layout and kernel arguments."""
-        plan, step = self.plan, self.step
-        q, k, v, kv_len, q_pos, k_pos, mask = self.args
-        if q_pos is not None or k_pos is not None or mask is not None:
-            return
-        layout = _layout(q, k, v, kv_len)
-        if layout is None or records.dtype != np.float32 or not records.flags.c_contiguous:
-            return
-        prepared = Prepared.of(q, k, v, step.scale)
-        if prepared is not None:
-            plan._fast = (layout, prepared)
+            plan._kernel.bind(self.step, args[3])  # no positions or mask: the next steps' kernel
 
     def block(self):
         """See :meth:`Attention.block`."""

@@ -80,6 +80,11 @@ def state_records(ns, q, k, v, scale, lens, vis, acc):
     return rec.reshape(b, hq, sq, dim + 2)
 
 
+def block_rows(b, hq, t):
+    """Query rows per block of :func:`attend` over ``t`` keys (a step of more is a prompt)."""
+    return max(1, BLOCK_SCORES // max(1, b * hq * t))
+
+
 def attend(ns, q, k, v, scale, lens, vis, out):
     """Write the state of q over this shard into host records ``out`` ``(B, Hq, Sq, D + 2)``.
 
@@ -91,7 +96,7 @@ def attend(ns, q, k, v, scale, lens, vis, out):
     """
     b, hq, sq, _ = (int(s) for s in q.shape)
     t = int(k.shape[2])
-    step = max(1, BLOCK_SCORES // max(1, b * hq * t))
+    step = block_rows(b, hq, t)
     if step >= sq:
         _attend_block(ns, q, k, v, scale, lens, vis, out)
         return

@@ -8,9 +8,8 @@ import threading
 from collections import OrderedDict
 
 from ._guard import Call
-from ._kernel import Prepared
-from ._local import BLOCK_SCORES
 from ._options import NODE_SIZE_ENV
+from ._step import KernelSlot
 
 
 def _options_key(strategy, scale, deterministic, node_size):
@@ -39,35 +38,23 @@ class _Recurring:
 
     A later call with the same key (:func:`_layout` of its arrays and
     :func:`_options_key` of its options) passes the same checks but those on the
-    shard length ``T``, which :meth:`call` repeats; it then reuses the signature,
-    the options and the bound C kernel, as a plan's step does.
+    shard length ``T``, which :meth:`call_for` repeats (:meth:`KernelSlot.takes`);
+    it then reuses the signature, the options and the bound kernel, as a plan's
+    step does.
     """
 
-    __slots__ = ("_out", "blocks", "call", "prepared")
+    __slots__ = ("call", "kernel")
 
-    def __init__(self, call, prepared):
-        problem = call.payload[0]
-        self.call, self.prepared = call, prepared
-        self.blocks = BLOCK_SCORES // max(1, problem.batch * problem.q_heads)
-        self._out = (None, 0)
-
-    def _run(self, q, k, v, records):
-        """Run the bound kernel on this call's arrays (holding none of them afterwards)."""
-        if records is not self._out[0]:  # a merger hands the same buffer every call
-            self._out = (records, records.ctypes.data)
-        self.prepared.run_raw(q.ctypes.data, k.ctypes.data, v.ctypes.data, k.shape[2], self._out[1])
+    def __init__(self, call, kernel):
+        self.call, self.kernel = call, kernel
 
     def call_for(self, q, k, v):
         """Return this call's :class:`Call` if ``T``'s checks pass, else None (full checks)."""
-        t = k.shape[2]
-        if v.shape[2] != t:
-            return None
+        if not self.kernel.takes(k, v):
+            return None  # K and V lengths differ, or a prompt: the full checks decide
         call = self.call
-        q_len = call.payload[0].q_len
-        if q_len > 1 and q_len > max(1, self.blocks // max(1, t)):
-            return None  # a prompt: attend() splits it into blocks of rows
         problem, opts = call.payload
-        fill = functools.partial(self._run, q, k, v)
+        fill = functools.partial(self.kernel.run_unheld, q, k, v)
         payload = (problem, opts, fill, None)
         return Call(call.signature, payload, op=call.op, key=call.key, merge=call.merge)
 
@@ -95,12 +82,12 @@ def _remember(key, call, step):
     if getattr(_recurring, "seen", None) != key:
         _recurring.seen = key
         return
-    prepared = Prepared.of(step.q, step.k, step.v, step.scale)
-    if prepared is None:
+    kernel = KernelSlot()
+    if not kernel.bind(step):
         return
     cache = _recurring_calls()
     kept = Call(call.signature, call.payload[:2], op=call.op, key=key, merge=call.merge)
-    cache[key] = _Recurring(kept, prepared)
+    cache[key] = _Recurring(kept, kernel)
     if len(cache) > _RECURRING_SIZE:
         cache.popitem(last=False)
 

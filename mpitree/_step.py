@@ -10,7 +10,7 @@ import numpy as np
 
 from ._checks import check_finite, check_masking, check_qkv
 from ._kernel import Prepared
-from ._local import attend
+from ._local import attend, block_rows
 from ._masks import visibility
 from ._namespace import NumpyLike
 from ._options import Options, dtype_name, resolve_scale
@@ -68,19 +68,89 @@ class Attention:
 
 
 class KernelSlot:
-    """The compiled kernel's bound arguments for one caller's recurring layout (one per layer).
+    """The compiled kernel bound to a recurring layout: a plan, a recurring call, a layer.
 
-    :meth:`fill` is :meth:`Attention.fill`, except that a checked step over host
-    float32 inputs (numpy, or CPU torch tensors shared without a copy) with no
-    lengths, positions or mask, a few query rows and the same shapes, strides and
-    scale as the slot's previous step reuses its bound kernel arguments: a decode
-    loop over a cache that grows in place pays the kernel call alone.
+    A decode loop attends with the same shapes, strides, dtype and scale step
+    after step (only the shard length ``T`` grows): the slot holds the kernel's
+    bound arguments (:class:`Prepared`) so that such a step pays the kernel call
+    alone, and gives :meth:`Attention.fill`'s records bitwise. It runs a step
+    bound only where :func:`attend` would run its rows as one block
+    (:meth:`takes`; a prompt over many keys runs in blocks of rows, whose bits
+    differ), over host float32 inputs with no positions or mask (lengths: only
+    through :meth:`step`, which range-checks them).
+
+    Two ways in: :meth:`fill` takes a checked :class:`Attention` (numpy, or CPU
+    torch tensors shared without a copy) and binds on a new layout by itself (a
+    cache layer's checked step); :meth:`bind` after a checked numpy step, then :meth:`step` for
+    the later steps with its layout (a plan), or :meth:`run_unheld` for those
+    whose layout the caller found unchanged (a recurring one-shot call).
     """
 
-    __slots__ = ("_key", "_out", "_prepared", "_size")
+    __slots__ = ("_key", "_layout", "_out", "_prepared", "_rows", "_size")
 
     def __init__(self):
         self._key, self._prepared, self._size, self._out = None, None, 0, (None, 0)
+        self._rows = (0, 0, 0)  # the bound query's (B, Hq, Sq)
+        self._layout = None  # the :func:`_layout` that :meth:`step` runs (None: none)
+
+    @staticmethod
+    def prompt(b, hq, sq, t):
+        """Whether ``sq`` query rows over ``t`` keys are a prompt, which no bound kernel runs.
+
+        :func:`attend` runs a prompt's rows in blocks whose scores fit its budget,
+        and a kernel over fewer rows can round differently: a bound kernel runs
+        only what :func:`attend` runs as one block (the one rule of what a prompt is).
+        """
+        return sq > 1 and sq > block_rows(b, hq, t)
+
+    def takes(self, k, v):
+        """Whether a step of the bound layout over ``k``, ``v`` runs bound (not a prompt)."""
+        t = k.shape[2]
+        return v.shape[2] == t and not self.prompt(*self._rows, t)
+
+    def bind(self, att, kv_len=None):
+        """Bind to a checked step over numpy arrays (and its ``kv_len``); return whether it can run.
+
+        :meth:`step` then runs the later steps with the same :func:`_layout`.
+        """
+        self._key, self._prepared = None, Prepared.of(att.q, att.k, att.v, att.scale)
+        self._rows = tuple(int(s) for s in att.q.shape[:3])
+        self._layout = None if self._prepared is None else _layout(att.q, att.k, att.v, kv_len)
+        return self._layout is not None
+
+    def unbind(self):
+        """Run no step bound until the next :meth:`bind`."""
+        self._layout = None
+
+    def step(self, q, k, v, kv_len, records):
+        """Run a step with the bound :func:`_layout` if the checks of its lengths pass.
+
+        Equal layouts pass the same checks but those that can change within a
+        layout: K and V lengths agree, the step is not a prompt (:meth:`takes`),
+        ``kv_len`` is in range. Returns False, having run nothing, where one
+        fails (or the layout differs): the caller's full checks then decide. The
+        arrays are held until the next step (a plan's cache usually repeats them).
+        """
+        layout = self._layout
+        if layout is None or _layout(q, k, v, kv_len) != layout or not self.takes(k, v):
+            return False
+        lens = None
+        if kv_len is not None:
+            values = kv_len.tolist()
+            if min(values) < 0 or max(values) > k.shape[2]:
+                return False  # the full checks raise the error
+            lens = self._prepared.lens
+            lens[:] = values
+        self._prepared.run(q, k, v, lens, records)
+        return True
+
+    def run_unheld(self, q, k, v, records):
+        """:meth:`run` with no lengths, holding none of the step's arrays afterwards."""
+        if records is not self._out[0]:  # a merger hands the same buffer every call
+            self._out = (records, records.ctypes.data)
+        self._prepared.run_raw(
+            q.ctypes.data, k.ctypes.data, v.ctypes.data, k.shape[2], self._out[1]
+        )
 
     def fill(self, att, records):
         """Write ``att``'s state into host records ``(rows, D + 2)``, as :meth:`Attention.fill`."""
@@ -88,7 +158,6 @@ class KernelSlot:
         if (
             att.lens is not None
             or att.vis is not None
-            or att.q_len > 16
             or records.dtype != np.float32
             or not records.flags.c_contiguous
             or not ns.on_host(att.q)
@@ -100,13 +169,14 @@ class KernelSlot:
         if None in layouts:
             att.fill(records)
             return
-        (qp, qs, qst), (kp, ks, kst), (vp, vs, vst) = layouts
+        (qp, qs, qst), (kp, ks, kst), (vp, _, vst) = layouts
         key = (ns.name, att.q.dtype, att.v.dtype, qs, qst, ks[:2], kst, vst, att.scale)
         if key != self._key:
             arrays = (ns.to_numpy(x) for x in (att.q, att.k, att.v))
             self._key, self._prepared = key, Prepared.of(*arrays, att.scale)
             self._size = math.prod(qs[:3]) * (qs[3] + 2)
-        if self._prepared is None or vs[2] != ks[2] or records.size != self._size:
+            self._rows = tuple(qs[:3])
+        if self._prepared is None or records.size != self._size or not self.takes(att.k, att.v):
             att.fill(records)
             return
         if records is not self._out[0]:  # a merger hands the same buffer every step

@@ -259,6 +259,50 @@ def test_kernel_slot_rebinds_on_a_new_layout_and_matches_attention_fill(monkeypa
     check_kernel_slot(monkeypatch, lambda x: x, lambda x: x.astype(np.float64))
 
 
+@pytest.mark.parametrize("sq", [1, 7])
+def test_every_bound_kernel_runs_a_prompt_as_attend_does(monkeypatch, sq):
+    """One rule of what a prompt is, for a layer's KernelSlot, a plan and a recurring call.
+
+    :func:`attend` runs a step whose scores exceed its budget in blocks of rows; a
+    kernel over all rows at once can round differently (here: MHA, 7 rows). Each
+    bound kernel gives Attention.fill's bits, the plan's and the one-shot call's
+    also those of their full checks, on both sides of the budget.
+    """
+    from mpi4py import MPI
+
+    import mpitree
+    from mpitree import _local, extend
+
+    rng = np.random.default_rng(9)
+    b, h, t, dim = 2, 4, 300, 64
+    q = rng.standard_normal((b, h, sq, dim)).astype(np.float32)
+    k, v = (rng.standard_normal((b, h, t, dim)).astype(np.float32) * 3 for _ in "kv")
+    att = extend.Attention(extend.namespace(q), q, k, v, 0.1, None, None)
+    whole = np.empty((b * h * sq, dim + 2), np.float32)
+    att.fill(whole)
+    plan = mpitree.DecodePlan(b, h, h, dim, q_len=sq, comm=MPI.COMM_SELF, scale=0.1)
+    split_bits = []
+    for budget in (_local.BLOCK_SCORES, b * h * t):  # one block; blocks of one row
+        monkeypatch.setattr(_local, "BLOCK_SCORES", budget)
+        assert extend.KernelSlot.prompt(b, h, sq, t) == (sq > 1 and budget == b * h * t)
+        ref = np.empty_like(whole)
+        att.fill(ref)
+        split_bits.append(ref)
+        slot, got = extend.KernelSlot(), np.empty_like(whole)
+        for _ in range(2):  # binds, then runs bound
+            slot.fill(att, got)
+            np.testing.assert_array_equal(got, ref)
+        out = extend.finish(ref.reshape(b, h, sq, dim + 2), q)
+        for _ in range(3):  # full checks, then the bound fast path; a one-shot call:
+            np.testing.assert_array_equal(plan.decode(q, k, v), out)  # checked, seen, bound
+            np.testing.assert_array_equal(
+                mpitree.tree_decode(q, k, v, comm=MPI.COMM_SELF, scale=0.1), out
+            )
+    plan.free()
+    if sq > 1:  # the case is real: split rows round differently here
+        assert not np.array_equal(split_bits[0], split_bits[1])
+
+
 @pytest.mark.parametrize("poison", ["nan key", "inf key", "nan value"])
 def test_nan_scores_poison_the_row_in_every_build(level, poison):
     """Every build's max lets NaN win, as numpy's does: one definition of "poisoned".

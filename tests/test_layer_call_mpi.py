@@ -143,6 +143,42 @@ def by_hand(q_of, scaling_of=lambda step, layer: None, mask_of=lambda step: None
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
+def test_the_one_call_path_leaves_a_prompt_to_the_checked_path(monkeypatch):
+    """Rows over more scores than attend's budget run in blocks there, whose bits differ.
+
+    Three new tokens a step over two MHA layers, the budget cut to a few keys' scores:
+    the ranks that hold no new key see every key (their one call applies) until
+    the rows become a prompt (``extend.KernelSlot.prompt``), from then on they take
+    the checked path. Outputs equal the checked path's, bit for bit, throughout.
+    """
+    from mpitree import _local
+
+    monkeypatch.setattr(_local, "BLOCK_SCORES", 2 * 14)  # B * Hq * 14 keys: 3 rows a block
+    q = torch.randn(1, 2, 3, 16, generator=torch.Generator().manual_seed(2))
+    runs = counting(monkeypatch)
+
+    def steps():
+        torch.manual_seed(0)
+        cache, outs = mtt.ShardedCache(tiny_llama().config, block_size=4), []
+        for _ in range(STEPS):
+            for layer in range(2):
+                k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
+                keys, values = cache.update(k, v, layer)
+                with torch.no_grad():
+                    outs.append(mtt.attention_interface(None, q, keys, values, None)[0])
+        return outs
+
+    fast = steps()
+    ran = len(runs)
+    with monkeypatch.context() as checked:
+        checked.setattr(_attention, "_fast_attention", lambda *a: None)
+        slow = steps()
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
+    counts = world().allgather(ran)
+    assert max(counts) > 0, counts  # some rank ran its one call before its rows grew a prompt
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
 @pytest.mark.parametrize("change", ["scaling", "query shape"])
 def test_a_later_layer_diverging_on_one_rank_raises_on_every_rank(change):
     """The bound ranks run their one call into the merge; the odd rank's checks fail there."""

@@ -515,6 +515,7 @@ class LayerFast:
         "out_shape",
         "q_shape",
         "q_stride",
+        "rows",
         "scaling",
         "signature",
         "vis",
@@ -525,6 +526,7 @@ class LayerFast:
         self.q_shape, self.q_stride = query.shape, query.stride()
         b, hq, sq, d = query.shape
         self.out_shape = (b, sq, hq, d)
+        self.rows = (b, hq, sq) if sq > 1 else None  # rows that may be a prompt as T grows
         self.vis = 0  # the visibility address the bound call holds
 
     def __deepcopy__(self, memo):
@@ -614,6 +616,7 @@ def _fast_attention(view, query, key, value, mask, scaling, agreed):
         or view.error is not None
         or layer.length != step.length
         or key.shape[2] != step.t
+        or (fast.rows is not None and extend.KernelSlot.prompt(*fast.rows, step.t))
         or query.shape != fast.q_shape
         or query.stride() != fast.q_stride
         or query.dtype != torch.float32
