@@ -1,8 +1,11 @@
 """mpitree for JAX: a tree decode and energy usable in ``jax.jit``, ``jax.vmap`` and ``jax.grad``.
 
 :func:`tree_decode` computes this shard's partial state ``(m, d, n)`` in the
-traced program (XLA: grouped matmuls, float32 accumulation, no repeated K/V),
-then leaves the compiled program once for the merge: an ordered
+compiled program: for float32, the core's C kernel as an XLA FFI custom call
+reading K/V in place (``adapters/_jax_ffi.py``; ``MPITREE_JAX_LOCAL=xla`` when
+traced selects XLA instead); for other dtypes, XLA's grouped matmuls (float32
+accumulation, no repeated K/V). It then leaves the compiled program once for
+the merge: an ordered
 ``jax.experimental.io_callback`` runs mpitree's guarded step on the host (the
 agreement collective, then the shared merger's one ``MPI_Allreduce`` with the
 native op), exactly once per call and in program order on every rank. Its
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,8 +57,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without JAX
 
 from mpitree import extend
 
+from . import _jax_ffi
+
 __all__ = ["free_energy", "tree_decode"]
 
+LOCAL_ENV = "MPITREE_JAX_LOCAL"  # "kernel" (default): the C kernel for float32; "xla": XLA's
 MERGING = ("auto", "allreduce", "allreduce3", "allgather", "hierarchical")
 
 
@@ -286,6 +293,11 @@ def _local_records(p, scale, t, q, k, v, keep):
     return rec.reshape(*p.row_shape, p.head_dim + 2)
 
 
+def _kernel_applies(t, q):
+    """Whether the forward's local state runs in the C kernel (float32, keys, not switched off)."""
+    return t > 0 and q.dtype == jnp.float32 and os.environ.get(LOCAL_ENV, "kernel") != "xla"
+
+
 def _finish(records):
     """Return (output ``n / d``, 0 for empty rows; lse, -inf for empty rows) of merged records."""
     m, d, n = records[..., 0], records[..., 1], records[..., 2:]
@@ -301,8 +313,12 @@ def _forward(step, q, k, v, aux):
     """Return the merged output ``(B, Hq, Sq, D)`` and lse ``(B, Hq, Sq)`` (accumulation dtype)."""
     lens, vis, flag = aux
     p, scale = step.problem, step.opts.scale
-    keep = _grouped_keep(p, step.t, lens, vis)
-    records = _local_records(p, scale, step.t, q, k, v, keep)
+    if _kernel_applies(step.t, q):  # in range: a bad kv_len raises at the agreement
+        inside = None if lens is None else jnp.clip(lens, 0, step.t).astype(jnp.int32)
+        records = _jax_ffi.records(q, k, v, scale, inside, vis)
+    else:
+        keep = _grouped_keep(p, step.t, lens, vis)
+        records = _local_records(p, scale, step.t, q, k, v, keep)
     return _finish(_collective(step, "forward", records, flag, (q, k, v, aux)))
 
 

@@ -1,17 +1,22 @@
 """A jitted JAX decode step against the eager core's step, same shapes, side by side.
 
 One Llama-3.1-8B attention layer (B=1, Hq=32, Hkv=8, D=128, one query row,
-float32), ``--keys`` keys in all, split evenly over the ranks. Timed
+``--dtype``), ``--keys`` keys in all, split evenly over the ranks. Timed
 interleaved in one run, slowest rank per iteration, median (and p10) after
-warm-up:
+warm-up (the order rotates from one iteration to the next):
 
-- ``core tree_decode``: ``mpitree.tree_decode`` on numpy (the C kernel, the
-  agreement, the native-op merge, the output);
+- ``core tree_decode``: ``mpitree.tree_decode`` on numpy (the C kernel for
+  float32, the agreement, the native-op merge, the output);
 - ``core plan``: ``DecodePlan.decode`` (agreement paid once);
-- ``jax jit``: ``jax.jit`` of ``mpitree.adapters.jax.tree_decode`` (XLA's local
-  attention, then the ordered host callback: agreement and merge);
-- ``jax jit, local only``: the same jitted local attention with no merge (what
-  XLA's kernel costs alone);
+- ``jax jit``: ``jax.jit`` of ``mpitree.adapters.jax.tree_decode`` (float32: the
+  C kernel's XLA FFI custom call on K/V in place; then the ordered host
+  callback: agreement and merge);
+- ``jax jit, XLA local``: the same with ``MPITREE_JAX_LOCAL=xla`` when traced
+  (XLA's local attention, the adapter's path before the custom call);
+- ``jax jit, local only``: XLA's local attention alone, no merge;
+- ``previous adapter`` (with ``--baseline FILE``, e.g. ``git show
+  HEAD~1:adapters/jax.py > /tmp/jax_before.py``): an earlier ``adapters/jax.py``
+  loaded beside the current one, jitted the same way;
 - ``mpi4jax max+sum`` (when mpi4jax imports): the paper's merge inside the
   jitted program through mpi4jax's ``allreduce`` (MAX of m, then SUM of the
   rescaled ``[d, n]``).
@@ -22,6 +27,9 @@ warm-up:
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
+import sys
 import time
 
 import jax
@@ -67,41 +75,77 @@ def mpi4jax_step():
     return jax.jit(step)
 
 
+def baseline_adapter(path):
+    """Load an earlier ``adapters/jax.py`` from ``path`` as ``mpitree.adapters._jax_baseline``."""
+    name = "mpitree.adapters._jax_baseline"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def traced_with_xla_local(fn, *args):
+    """Return ``jax.jit(fn)`` traced (and compiled) with the adapter's XLA local attention.
+
+    A function of its own: JAX shares one trace cache between every ``jax.jit``
+    of the same function, which would hand the default step this trace.
+    """
+    os.environ[mj.LOCAL_ENV] = "xla"
+    try:
+        return jax.jit(lambda *a: fn(*a)).lower(*args).compile()
+    finally:
+        del os.environ[mj.LOCAL_ENV]
+
+
 def main():
     """Time the steps side by side; rank 0 prints the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=32768, help="keys over all ranks")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--baseline", help="an earlier adapters/jax.py to time beside")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     rank, size = comm.rank, comm.size
     t = args.keys // size
     rng = np.random.default_rng(rank)
-    q = np.random.default_rng(0).standard_normal((B, HQ, 1, D)).astype(np.float32)
-    k = rng.standard_normal((B, HKV, t, D)).astype(np.float32)
-    v = rng.standard_normal((B, HKV, t, D)).astype(np.float32)
-    jq, jk, jv = (jnp.asarray(x) for x in (q, k, v))
-    plan = mpitree.DecodePlan(B, HQ, HKV, D)
+    jq = jnp.asarray(np.random.default_rng(0).standard_normal((B, HQ, 1, D)), args.dtype)
+    jk = jnp.asarray(rng.standard_normal((B, HKV, t, D)), args.dtype)
+    jv = jnp.asarray(rng.standard_normal((B, HKV, t, D)), args.dtype)
+    q, k, v = (np.asarray(x) for x in (jq, jk, jv))  # ml_dtypes' bfloat16 for bfloat16
+    plan = mpitree.DecodePlan(B, HQ, HKV, D, dtype=args.dtype)
     jitted = jax.jit(mj.tree_decode)
+    xla_local = traced_with_xla_local(mj.tree_decode, jq, jk, jv)
     local = jax.jit(local_only)
     steps = {
         "core tree_decode": lambda: mpitree.tree_decode(q, k, v),
         "core plan": lambda: plan.decode(q, k, v),
         "jax jit": lambda: jitted(jq, jk, jv).block_until_ready(),
+        "jax jit, XLA local": lambda: xla_local(jq, jk, jv).block_until_ready(),
         "jax jit, local only": lambda: local(jq, jk, jv).block_until_ready(),
     }
+    checked = {"jax jit": jitted, "jax jit, XLA local": xla_local}
+    if args.baseline:
+        before = jax.jit(baseline_adapter(args.baseline).tree_decode)
+        steps["previous adapter"] = lambda: before(jq, jk, jv).block_until_ready()
+        checked["previous adapter"] = before
     other = mpi4jax_step()
     if other is not None:
         steps["mpi4jax max+sum"] = lambda: other(jq, jk, jv).block_until_ready()
-    ref = np.asarray(plan.decode(q, k, v))
-    for name in ("jax jit", "mpi4jax max+sum"):
-        if name in steps:
-            got = np.asarray(steps[name]() if name == "jax jit" else other(jq, jk, jv))
-            assert np.abs(got - ref).max() < 1e-4, (name, np.abs(got - ref).max())
+        checked["mpi4jax max+sum"] = other
+    ref = np.asarray(plan.decode(q, k, v), np.float32)
+    tol = 1e-4 if args.dtype == "float32" else 2e-2
+    for name, fn in checked.items():
+        got = np.asarray(fn(jq, jk, jv), np.float32)
+        assert np.abs(got - ref).max() < tol, (name, np.abs(got - ref).max())
     times = {name: [] for name in steps}
+    names = list(steps)
     for i in range(args.warmup + args.iters):
-        for name, fn in steps.items():
+        # the order rotates: a step that follows XLA's multi-threaded ops (its pool's
+        # threads still spinning) is slowed, and every step takes that place in turn
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            fn = steps[name]
             comm.Barrier()
             start = time.perf_counter()
             fn()
@@ -111,7 +155,8 @@ def main():
     plan.free()
     if rank == 0:
         base = np.median(times["core tree_decode"])
-        print(f"p={size}, {args.keys} keys ({t} a rank), B={B} Hq={HQ} Hkv={HKV} D={D}, float32")
+        shape = f"B={B} Hq={HQ} Hkv={HKV} D={D}, {args.dtype}"
+        print(f"p={size}, {args.keys} keys ({t} a rank), {shape}")
         print(f"{'step':<22}{'median ms':>11}{'p10 ms':>9}{'vs core':>9}")
         for name, ts in times.items():
             med = np.median(ts)

@@ -68,6 +68,29 @@ def test_exact_against_float64_reference(case, dtype, jit):
     assert_allclose(np.asarray(lse)[fin], ref_lse[fin], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parallel(nprocs=[1, 2, 3, 4])
+@pytest.mark.parametrize("local", ["kernel", "xla"])
+def test_float32_local_state_kernel_or_xla(local, monkeypatch):
+    """float32 runs the C kernel's custom call by default, XLA's attention when switched."""
+    monkeypatch.setenv(mj.LOCAL_ENV, local)
+    rank = world().rank
+    prob = rounded(
+        make_problem(5, sizes(), dtype=np.float64, **CASES["mask_per_head_ragged"]), "float32"
+    )
+    k, v, kw = prob.shard(rank)
+    args = [jnp.asarray(x, jnp.float32) for x in (prob.q, k, v)]
+    kw = jax_kwargs(kw)
+    decode = jax.jit(lambda q, k, v, kw: mj.tree_decode(q, k, v, return_lse=True, **kw))
+    uses_kernel = local == "kernel" and sizes()[rank] > 0
+    assert kernel_calls(decode, *args, kw) == int(uses_kernel)
+    out, lse = decode(*args, kw)
+    ref, ref_lse = prob.reference()
+    assert_allclose(np.asarray(out, np.float64), ref, atol=DTYPES["float32"], rtol=0)
+    fin = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(np.asarray(lse)), fin)
+    assert_allclose(np.asarray(lse)[fin], ref_lse[fin], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parallel(nprocs=[1, 2, 3])
 @pytest.mark.parametrize("strategy", ["allreduce", "allreduce3", "allgather", "hierarchical"])
 def test_every_merging_strategy(strategy):
@@ -267,12 +290,18 @@ VMAPS = [(case, "jit") for case in CASES] + [
 ]
 
 
-@pytest.mark.parallel(nprocs=[1, 2, 3, 4])
-@pytest.mark.parametrize("case, form", VMAPS, ids=[f"{c}-{f}" for c, f in VMAPS])
-def test_vmap_exact_against_float64_reference(case, form):
+def kernel_calls(fn, *args):
+    """How many C-kernel custom calls (the float32 forward's local state) ``fn`` runs."""
+    return str(jax.make_jaxpr(fn)(*args)).count("mpitree_attend_f32")
+
+
+def check_vmap(case, form, dtype, tol):
     """A vmapped axis becomes extra rows of the one merge: exact per element, one callback."""
     rank = world().rank
     probs, q, k, v, kw = stacked(case, 4, rank)
+    for prob in probs:
+        rounded(prob, dtype)
+    q, k, v = (np.asarray(jnp.asarray(x, dtype)) for x in (q, k, v))
     names = list(kw)
 
     def decode(q, k, v, *masking):
@@ -293,13 +322,34 @@ def test_vmap_exact_against_float64_reference(case, form):
         fn = jax.vmap(decode) if form == "eager" else jax.jit(jax.vmap(decode))
         unstack = lambda x, i: x[i]  # noqa: E731
     assert callbacks(fn, *args) == 1
+    has_keys = sizes()[rank] > 0
+    assert kernel_calls(fn, *args) == (1 if dtype == "float32" and has_keys else 0)
     out, lse = fn(*args)
     for i, (ref, ref_lse) in enumerate(want):
         got, got_lse = np.asarray(unstack(out, i)), np.asarray(unstack(lse, i))
-        assert_allclose(got, ref, atol=1e-12, rtol=0)
+        assert_allclose(got, ref, atol=tol, rtol=0)
         fin = np.isfinite(ref_lse)
         assert np.array_equal(np.isfinite(got_lse), fin)
-        assert_allclose(got_lse[fin], ref_lse[fin], rtol=1e-6, atol=1e-6)  # float32 lse
+        lse_tol = 1e-6 if dtype == "float64" else 1e-5  # the lse is float32
+        assert_allclose(got_lse[fin], ref_lse[fin], rtol=lse_tol, atol=lse_tol)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3, 4])
+@pytest.mark.parametrize("case, form", VMAPS, ids=[f"{c}-{f}" for c, f in VMAPS])
+def test_vmap_exact_against_float64_reference(case, form):
+    """float64: XLA's local attention under jax.vmap."""
+    check_vmap(case, form, "float64", 1e-12)
+
+
+KERNEL_VMAPS = [("mask_per_head_ragged", "jit"), ("positions", "q only, axis 1")]
+KERNEL_VMAPS += [("gqa", "nested")]
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3, 4])
+@pytest.mark.parametrize("case, form", KERNEL_VMAPS, ids=[f"{c}-{f}" for c, f in KERNEL_VMAPS])
+def test_vmap_float32_runs_the_c_kernel(case, form):
+    """float32: the C kernel's custom call, its vmapped axes folded into the kernel's batch."""
+    check_vmap(case, form, "float32", DTYPES["float32"])
 
 
 @pytest.mark.parallel(nprocs=[1, 2, 3, 4])
