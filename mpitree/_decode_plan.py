@@ -253,7 +253,7 @@ class _LazyStep:
             and args[4] is None
             and args[5] is None
             and args[6] is None
-            and plan._kernel.step(*args[:4], records)
+            and plan._kernel.step(args[0], args[1], args[2], args[3], records)
         ):
             return
         plan._kernel.unbind()

@@ -106,7 +106,8 @@ class KernelSlot:
     def takes(self, k, v):
         """Whether a step of the bound layout over ``k``, ``v`` runs bound (not a prompt)."""
         t = k.shape[2]
-        return v.shape[2] == t and not self.prompt(*self._rows, t)
+        b, hq, sq = self._rows
+        return v.shape[2] == t and (sq == 1 or not self.prompt(b, hq, sq, t))
 
     def bind(self, att, kv_len=None):
         """Bind to a checked step over numpy arrays (and its ``kv_len``); return whether it can run.
@@ -132,12 +133,16 @@ class KernelSlot:
         arrays are held until the next step (a plan's cache usually repeats them).
         """
         layout = self._layout
-        if layout is None or _layout(q, k, v, kv_len) != layout or not self.takes(k, v):
+        if layout is None or _layout(q, k, v, kv_len) != layout:
+            return False
+        t = k.shape[2]
+        b, hq, sq = self._rows
+        if v.shape[2] != t or (sq != 1 and self.prompt(b, hq, sq, t)):  # :meth:`takes`, inline
             return False
         lens = None
         if kv_len is not None:
             values = kv_len.tolist()
-            if min(values) < 0 or max(values) > k.shape[2]:
+            if min(values) < 0 or max(values) > t:
                 return False  # the full checks raise the error
             lens = self._prepared.lens
             lens[:] = values
@@ -145,7 +150,7 @@ class KernelSlot:
         return True
 
     def run_unheld(self, q, k, v, records):
-        """:meth:`run` with no lengths, holding none of the step's arrays afterwards."""
+        """Run the bound kernel with no lengths, holding none of the step's arrays afterwards."""
         if records is not self._out[0]:  # a merger hands the same buffer every call
             self._out = (records, records.ctypes.data)
         self._prepared.run_raw(
