@@ -519,25 +519,65 @@ class Drafted:
         return self.change(beam, depth) if self.bad and self.change else beam
 
 
+class Streaming:
+    """A streamer that raises on the bad rank at its ``fail``-th put, or at ``end``."""
+
+    def __init__(self, bad, fail):
+        self.fail, self.puts = fail if bad else None, 0
+
+    def put(self, ids):
+        self.puts += 1
+        if self.puts == self.fail:
+            raise RuntimeError("the streamer's terminal went away")
+
+    def end(self):
+        if self.fail == "end":
+            raise RuntimeError("the streamer's terminal went away")
+
+
+class Decoding:
+    """A tokenizer: token t is "<t>"; on the bad rank it raises, or decodes to nothing."""
+
+    def __init__(self, bad, how):
+        self.how = how if bad else None
+
+    def decode(self, ids):
+        if self.how == "raises":
+            raise RuntimeError("the tokenizer's vocabulary file is gone")
+        return "" if self.how == "differs" else "".join(f"<{int(t)}>" for t in ids)
+
+
 def generate_cases():
-    def call(bad, change=None, cache=True, new=4, sample=None, cost="auto", ends=None):
+    def call(bad, change=None, cache=True, new=4, sample=None, cost="auto", ends=None, every=None):
+        """``ends``: more arguments on the bad rank; ``every(bad)``: on every rank."""
         m = model()
         ids, _ = prompt(9, False)
         sharded = mtt.ShardedCache(m.config, block_size=4)
         sampling = {} if sample is None else dict(do_sample=True, seed=0)
+        kw = dict(every(bad) if every else {}, **(ends if bad and ends else {}))
         mtt.generate(
             m,
-            ids,
+            kw.pop("input_ids", ids),
             sharded if cache or not bad else None,
             drafter=Drafted(bad, change),
             max_new_tokens=new if bad else 4,
             node_cost=cost if bad else "auto",
             **{**sampling, **(sample if bad and sample else {})},
-            **(ends if bad and ends else {}),
+            **kw,
         )
 
     def raises(beam, depth):
         raise RuntimeError("the draft model ran out of memory")
+
+    def streams(fail):  # a streamer on every rank
+        return lambda bad: dict(streamer=Streaming(bad, fail))
+
+    def stops(how):  # stop strings on every rank: "<" ends each row at once, unless decoded apart
+        return lambda bad: dict(eos_token_id=[], stop_strings="<", tokenizer=Decoding(bad, how))
+
+    ids = prompt(9, False)[0]
+    holes = torch.ones_like(ids)
+    holes[1, 0] = 0  # the same shape, other values
 
     return {
         "draft out of vocabulary": lambda bad: call(bad, lambda beam, depth: beam + 10**6),
@@ -554,6 +594,12 @@ def generate_cases():
         "node_costs differ": lambda bad: call(bad, cost=0.15),
         "eos_token_ids differ": lambda bad: call(bad, ends=dict(eos_token_id=5)),
         "stop_strings without a tokenizer": lambda bad: call(bad, ends=dict(stop_strings=["."])),
+        "prompt values differ": lambda bad: call(bad, ends=dict(input_ids=(ids + 1) % 97)),
+        "attention_mask values differ": lambda bad: call(bad, ends=dict(attention_mask=holes)),
+        "streamer put raises": lambda bad: call(bad, every=streams(3)),
+        "streamer end raises": lambda bad: call(bad, every=streams("end")),
+        "tokenizer raises": lambda bad: call(bad, every=stops("raises")),
+        "tokenizers decode differently": lambda bad: call(bad, every=stops("differs")),
         "negative temperature": lambda bad: call(bad, sample=dict(temperature=-1.0)),
         "top_p 0": lambda bad: call(bad, sample=dict(top_p=0.0)),
         "top_k negative": lambda bad: call(bad, sample=dict(top_k=-3)),

@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from mpi4py import MPI
 
 from mpitree import extend, spec
 
@@ -201,6 +203,58 @@ class _Stops:
         return tokens
 
 
+def _observe(stops, streamer, tokens, new, prompt=None):
+    """Note the rows that ended in the last ``new`` tokens and stream row 0's; return a failure.
+
+    The tokenizer (stop strings) and the streamer are the user's code, run on this
+    rank alone: an exception they raise is returned, not raised, so that
+    :func:`_settle` raises it on every rank. ``prompt``: streamed first.
+    """
+    try:
+        stops.see(tokens, new)
+        if streamer is not None:
+            if prompt is not None:
+                streamer.put(prompt[0].cpu())
+            first = tokens.shape[1] - new  # row 0's new tokens, up to its end
+            stop = tokens.shape[1] if stops.end[0] < 0 else int(stops.end[0])
+            if stop > first:
+                streamer.put(tokens[0, first:stop].cpu())
+    except Exception as exc:  # this rank's verdict, settled in the next collective
+        return exc
+    return None
+
+
+def _settle(comm, stops, streamer, failed):
+    """Agree on a step's local outcome; return whether any rank has a streamer.
+
+    One flagged all-reduce (MAX) of ``[streaming, ends, -ends]``, every rank's row
+    ends (``stops.end``): ``failed`` on any rank raises on every rank (the failing
+    rank's own exception, :class:`RankError` elsewhere); rows that ended at other
+    tokens on other ranks raise ``ValueError`` on every rank.
+    """
+    end = stops.end.double().numpy()
+    sent = np.concatenate([[float(streamer is not None)], end, -end])
+    agreed = extend.flagged_allreduce(comm, sent, MPI.MAX, failed)
+    b = end.shape[0]
+    if (agreed[1 : 1 + b] != -agreed[1 + b :]).any():  # every rank sees it: all raise
+        _raise_ends_differ(comm, stops)
+    return bool(agreed[0])
+
+
+def _raise_ends_differ(comm, stops):
+    """Raise ``ValueError`` on every rank, naming each rank's row ends (failure path only)."""
+    ends = tuple(stops.end.tolist())
+    try:
+        extend.agree(comm, lambda: extend.Call({"row ends": ends}))
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc}: the ranks ended rows at different tokens (a row's length at its end, "
+            "-1 while it runs); with stop_strings, do their tokenizers decode the same "
+            "tokens differently?"
+        ) from None
+    raise RuntimeError("mpitree internal error: the row ends differ but every rank agreed")
+
+
 def _plain_step(model, cache, tokens, mask, sampler):
     """One token per row from the pending one: ``(new (B, 1), 1, 1, accepted zeros (B,))``."""
     with torch.no_grad():
@@ -313,10 +367,12 @@ def generate(
         A row also ends at the token after which its generated text contains one
         of them (needs ``tokenizer``).
     tokenizer : transformers.PreTrainedTokenizerBase, optional
-        For ``stop_strings``.
+        For ``stop_strings``; every rank's must decode alike (rows that end at
+        different tokens on different ranks raise on every rank).
     streamer : transformers.generation.BaseStreamer, optional
         Gets ``put(prompt)``, then row 0's new tokens after every step, then
         ``end()`` (batch 1, as transformers' streamers), on the ranks that pass one.
+        What it raises on one rank raises on every rank, at the end of that step.
     node_cost : {"auto"} or float or None, optional
         The adaptive draft budget's cost model. ``"auto"`` (default): a verified
         tree of ``L`` nodes costs ``base + slope * L`` plain steps, the line fitted
@@ -363,7 +419,12 @@ def generate(
         tokens left to generate, or when the ranks' prompts, drafts, sampling
         settings or sampling keys differ; on bad sampling arguments (a negative or
         non-finite temperature, ``top_p`` outside ``(0, 1]``, a negative or
-        non-integer ``top_k``, a seed outside ``[0, 2**64)``).
+        non-integer ``top_k``, a seed outside ``[0, 2**64)``); when the ranks'
+        tokenizers end a row at different tokens.
+    Exception
+        What a rank's streamer or tokenizer raised, on that rank;
+        :class:`mpitree.RankError` naming it on the others (in the same step: no
+        rank goes on alone).
 
     Notes
     -----
@@ -374,7 +435,10 @@ def generate(
     the same global indices as plain decoding, on the same ranks, with the same
     positions, and the tokens are plain greedy's; a batch advances at its slowest
     row's pace. A step costs three small agreements (draft, verification, the
-    forward's) and one merge per layer.
+    forward's) and one merge per layer; while any rank streams or stop strings are
+    set, one more small collective settles the step's user code (a failure on any
+    rank, every row's end: the same on every rank, or a ``ValueError``), and once
+    per call otherwise.
 
     Sampling keeps the target's distribution exactly over draft trees: SpecInfer's
     multi-candidate rule with point-mass drafts (a drafter returns token ids) is one
@@ -402,10 +466,10 @@ def generate(
         ).logits
     tokens = torch.cat([tokens, _choose(logits[:, -1], sampler, s)], 1)
     mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-    stops.see(tokens, 1)
-    if streamer is not None:
-        streamer.put(input_ids[0].cpu())
-        streamer.put(tokens[0, s:].cpu())
+    failed = _observe(stops, streamer, tokens, 1, prompt=input_ids)
+    # once per call: any rank's failure, the rows' ends, and whether any rank streams
+    streaming = _settle(comm, stops, streamer, failed)
+    settling = streaming or bool(stops.stop)
     vocab = int(model.config.vocab_size)
     batch = torch.arange(b, device=tokens.device)
     steps = []
@@ -434,14 +498,19 @@ def generate(
         tokens = torch.cat([tokens, new], 1)
         mask = torch.cat([mask, torch.ones_like(new)], 1)
         steps.append((accepted, m, nodes))
-        stops.see(tokens, new.shape[1])
-        if streamer is not None:  # row 0's new tokens up to its end
-            first = tokens.shape[1] - new.shape[1]
-            stop = tokens.shape[1] if stops.end[0] < 0 else int(stops.end[0])
-            if stop > first:
-                streamer.put(tokens[0, first:stop].cpu())
-    if streamer is not None:
-        streamer.end()
+        failed = _observe(stops, streamer, tokens, new.shape[1])
+        if settling:  # a streamer on some rank, or stop strings: the ranks settle the step
+            _settle(comm, stops, streamer, failed)
+        elif failed is not None:  # end-of-sequence tokens alone: the same on every rank
+            raise failed
+    if streaming:  # end() on the ranks that stream, then settled
+        failed = None
+        try:
+            if streamer is not None:
+                streamer.end()
+        except Exception as exc:  # the user's streamer: raised on every rank by the settlement
+            failed = exc
+        _settle(comm, stops, streamer, failed)
     accepted = (
         torch.stack([a for a, _, _ in steps]) if steps else torch.zeros(0, b, dtype=torch.long)
     )
