@@ -6,7 +6,11 @@ operands' own buffers: K and V are viewed as numpy arrays without a copy (a
 ``jax.pure_callback`` or ``io_callback`` copies its operands, 0.5 GiB a step
 at 128K keys) and :func:`mpitree.extend.attend` runs the core's local kernel on
 them into the call's result buffer. The call is local (no communication): the
-merge stays in the adapter's ordered callback. Importing this module imports JAX.
+merge stays in the adapter's ordered callback. The call never fails in XLA: a
+kernel error is kept (:func:`failure`) and the call's second result, a flag,
+carries it into the merge's agreement, so every rank raises (an XLA error on
+one rank would leave the others waiting in the merge). Importing this module
+imports JAX.
 """
 
 from __future__ import annotations
@@ -110,24 +114,13 @@ class _MetadataExtension(ctypes.Structure):
     ]
 
 
-class _ErrorArgs(ctypes.Structure):
-    """``XLA_FFI_Error_Create_Args``."""
-
-    _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("extension_start", _ptr),
-        ("message", ctypes.c_char_p),
-        ("errc", ctypes.c_int),
-    ]
-
-
-_EXTENSION_METADATA, _STAGE_EXECUTE, _ERROR_INTERNAL = 1, 3, 13
+_EXTENSION_METADATA, _STAGE_EXECUTE = 1, 3
 _API_VERSION = (0, 1)  # the XLA FFI C API version these mirrors follow
-_ERROR_CREATE_OFFSET = 48  # XLA_FFI_Api: size, extension, version (24 bytes), internal api
+FAILED = 2  # the flag bit of a failed kernel call (the adapter's kv_len check is bit 1)
 _DTYPES = {1: np.bool_, 4: np.int32, 11: np.float32}  # XLA_FFI_DataType: PRED, S32, F32
 _NUMPY = extend.namespace(np.zeros(0, np.float32))
 _HANDLER = ctypes.CFUNCTYPE(_ptr, _ptr)
-_ERROR_CREATE = ctypes.CFUNCTYPE(_ptr, ctypes.POINTER(_ErrorArgs))
+_failures = []  # the kernel errors not yet raised (by failure())
 
 
 def _view(address):
@@ -147,7 +140,7 @@ def _fold(x, lead):
 
 
 def _attend(frame):
-    """Run the kernel: operands q, k, v, scale[, lens][, vis]; result the records."""
+    """Run the kernel: operands q, k, v, scale[, lens][, vis]; results the records, the flag."""
     args = [_view(frame.args.items[i]) for i in range(frame.args.size)]
     out = _view(frame.rets.items[0])
     q, k, v, scale, *masking = args
@@ -164,12 +157,13 @@ def _attend(frame):
     )
 
 
-def _error(frame, exc):
-    """Return an ``XLA_FFI_Error`` carrying ``exc`` (XLA raises it in the caller)."""
-    create = _ERROR_CREATE(ctypes.c_void_p.from_address(frame.api + _ERROR_CREATE_OFFSET).value)
-    message = f"mpitree: local kernel failed: {type(exc).__name__}: {exc}".encode()
-    args = _ErrorArgs(ctypes.sizeof(_ErrorArgs) - 4, None, message, _ERROR_INTERNAL)
-    return create(ctypes.byref(args))
+def failure():
+    """Return the exception of the kernel call that set :data:`FAILED` (and forget it)."""
+    exc = _failures[0] if _failures else None
+    _failures.clear()
+    error = RuntimeError(f"mpitree: local kernel failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 def _handler(address):
@@ -185,19 +179,26 @@ def _handler(address):
             return None
     if frame.stage != _STAGE_EXECUTE:
         return None
+    flag = _view(frame.rets.items[1]).reshape(-1)
     try:
         _attend(frame)
-    except Exception as exc:  # reported by XLA as the call's error, never lost
-        return _error(frame, exc)
+        flag[:] = 0
+    except BaseException as exc:  # raised on every rank by the merge's agreement, never lost
+        _failures.append(exc)
+        flag[:] = FAILED
     return None
 
 
-_CALLBACK = _HANDLER(_handler)  # kept alive as long as the module: XLA holds its address
-jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_CALLBACK), platform="cpu")
+if "_CALLBACK" not in globals():  # a reload keeps XLA's registration and the callback it holds
+    _CALLBACK = _HANDLER(_handler)  # alive as long as the process: XLA holds its address
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_CALLBACK), platform="cpu")
 
 
 def records(q, k, v, scale, lens, vis):
-    """Return this shard's float32 ``(B, Hq, Sq, D + 2)`` records ``[m, d, n]`` by the C kernel.
+    """Return this shard's float32 records ``(B, Hq, Sq, D + 2)`` by the C kernel, and a flag.
+
+    The records are ``[m, d, n]``; the int32 flag is :data:`FAILED` when the
+    kernel raised (:func:`failure` returns the error), else 0.
 
     ``q`` ``(B, Hq, Sq, D)`` and ``k``, ``v`` ``(B, Hkv, T, D)`` float32 with
     ``T > 0``; ``lens`` int32 ``(B,)`` already within ``[0, T]`` or None;
@@ -209,5 +210,6 @@ def records(q, k, v, scale, lens, vis):
     operands = [q, k, v, jnp.asarray(scale, jnp.float32)]
     operands += [x for x in (lens, vis) if x is not None]
     result = jax.ShapeDtypeStruct((b, hq, sq, d + 2), jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, result, vmap_method="broadcast_all")
+    flag = jax.ShapeDtypeStruct((), jnp.int32)
+    call = jax.ffi.ffi_call(TARGET, (result, flag), vmap_method="broadcast_all")
     return call(*operands)

@@ -81,6 +81,8 @@ class _Step:
         """Return the agreement's Call for ``phase``; raise this rank's error."""
         if self.error is not None:
             raise self.error
+        if flag & _jax_ffi.FAILED:
+            raise _jax_ffi.failure()
         if flag:
             raise ValueError(f"kv_len must lie in [0, {self.t}] (this shard's length)")
         p, o = self.problem, self.opts
@@ -156,8 +158,8 @@ def _merge_in_program(step, phase, records, flag, context):
     def _fold(size, batched, records, flag, context):
         if not batched[0]:
             records = jnp.broadcast_to(records, (size, *records.shape))
-        if batched[1]:
-            flag = jnp.any(flag != 0).astype(flag.dtype)
+        if batched[1]:  # every element's flag bits
+            flag = jax.lax.reduce(flag, jnp.zeros((), flag.dtype), jax.lax.bitwise_or, (0,))
         rows = records.reshape(-1, *records.shape[2:])
         merged = _merge_in_program(step.folded(size), phase, rows, flag, context)
         return merged.reshape(records.shape), True
@@ -315,7 +317,8 @@ def _forward(step, q, k, v, aux):
     p, scale = step.problem, step.opts.scale
     if _kernel_applies(step.t, q):  # in range: a bad kv_len raises at the agreement
         inside = None if lens is None else jnp.clip(lens, 0, step.t).astype(jnp.int32)
-        records = _jax_ffi.records(q, k, v, scale, inside, vis)
+        records, failed = _jax_ffi.records(q, k, v, scale, inside, vis)
+        flag = flag | failed  # a kernel error rides in the agreement
     else:
         keep = _grouped_keep(p, step.t, lens, vis)
         records = _local_records(p, scale, step.t, q, k, v, keep)

@@ -1,6 +1,8 @@
 """mpitree.adapters.jax under real ranks: exact, jitted, differentiable, recompilation-free."""
 
 import dataclasses
+import gc
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ import mpitree
 
 jax.config.update("jax_enable_x64", True)  # float64 inputs and the float64 gradient reference
 
+from mpitree.adapters import _jax_ffi  # noqa: E402
 from mpitree.adapters import jax as mj  # noqa: E402
 
 DTYPES = {"float32": 2e-5, "float64": 1e-12, "float16": 2e-3, "bfloat16": 2e-2}
@@ -238,6 +241,57 @@ def test_bad_input_inside_jit_raises_on_every_rank(bad):
         assert last.startswith("ValueError: ") and "mpitree" not in last, last
     else:
         assert last.startswith(f"RankError: mpitree: invalid input on rank {comm.size - 1}"), last
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("form", ["jit", "vmap", "eager"])
+def test_kernel_error_raises_on_every_rank(form, monkeypatch):
+    """The kernel's custom call failing on one rank: every rank raises, none waits in the merge."""
+    comm = world()
+    is_bad = comm.rank == comm.size - 1
+    prob = make_problem(1, [4] * comm.size)
+    k, v, _ = prob.shard(comm.rank)
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (prob.q, k, v))
+    if is_bad:
+
+        def fail(*args):
+            raise MemoryError("no room")
+
+        monkeypatch.setattr(_jax_ffi.extend, "attend", fail)
+    decode = {
+        "jit": jax.jit(mj.tree_decode),
+        "vmap": jax.jit(jax.vmap(mj.tree_decode, in_axes=(0, None, None))),
+        "eager": mj.tree_decode,
+    }[form]
+    args = (q[None].repeat(2, 0), k, v) if form == "vmap" else (q, k, v)
+    with pytest.raises(Exception) as info:
+        decode(*args).block_until_ready()
+    monkeypatch.undo()
+    good = jax.jit(mj.tree_decode)(q, k, v)
+    assert_allclose(np.asarray(good), prob.reference()[0], atol=2e-5, rtol=0)
+    cause = "mpitree: local kernel failed: MemoryError: no room"
+    kind, message = "RuntimeError", cause
+    if not is_bad:
+        message = f"mpitree: invalid input on rank {comm.size - 1}: {kind}: {cause}"
+        kind = "RankError"
+    if form == "eager":
+        assert (type(info.value).__name__, str(info.value)) == (kind, message)
+    else:
+        assert isinstance(info.value, jax.errors.JaxRuntimeError), repr(info.value)
+        last = str(info.value).strip().splitlines()[-1]
+        assert last == f"{kind}: {message}", last
+
+
+@pytest.mark.parallel(nprocs=[1, 2])
+def test_reloading_the_ffi_module_keeps_its_callback():
+    """importlib.reload (IPython's autoreload) keeps the callback XLA calls alive: no crash."""
+    importlib.reload(_jax_ffi)
+    gc.collect()
+    prob = make_problem(2, sizes())
+    k, v, _ = prob.shard(world().rank)
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (prob.q, k, v))
+    out = jax.jit(lambda q, k, v: mj.tree_decode(q, k + 0, v))(q, k, v)
+    assert_allclose(np.asarray(out), prob.reference()[0], atol=2e-5, rtol=0)
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
