@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from . import _merger
 from ._guard import agree
 from ._invariant_merger import InvariantMerger
-from ._merger import Merger, merger_for
+from ._merger import Merger, cache_key, merger_for
 from ._options import INVARIANT
 from ._strategies import resolve
 
-# (comm, merge, native, merger) of the last shared merger: a call that repeats the same
-# agreed ``merge`` tuple (a kept template's, step after step) skips resolve and merger_for
+# (comm, merge, native, merger, comm's merger cache, its key there) of the last shared merger:
+# a call that repeats the same agreed ``merge`` tuple (a kept template's, step after step)
+# skips resolve and merger_for, but marks the merger used in the cache as merger_for does
 _last = None
 
 
@@ -65,6 +67,9 @@ def agree_merger(comm, prepare, *, like=None, owned=False):
         and not owned
         and last[3].alive
     ):
+        # a rank may reuse it where another (whose last call was on another communicator)
+        # looks it up: both mark it used, so every rank's cache evicts the same merger
+        last[4].move_to_end(last[5])
         return call, last[3]
     rows, head_dim, acc, opts = call.merge
     if opts.deterministic == INVARIANT:
@@ -76,11 +81,11 @@ def agree_merger(comm, prepare, *, like=None, owned=False):
         return call, Merger(comm, rows, head_dim, acc, chosen, node_size=opts.node_size, like=like)
     merger = merger_for(comm, rows, head_dim, acc, chosen, opts.node_size, like)
     if like is None:
-        _remember(comm, call, merger)
+        _remember(comm, call, merger, cache_key(rows, head_dim, acc, chosen, opts.node_size))
     return call, merger
 
 
-def _remember(comm, call, merger):
+def _remember(comm, call, merger, key):
     """Keep ``merger`` as the one for ``call.merge`` on ``comm`` (until it is freed)."""
     global _last
-    _last = (comm, call.merge, call.native, merger)
+    _last = (comm, call.merge, call.native, merger, comm.Get_attr(_merger._keyval), key)

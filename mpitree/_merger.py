@@ -125,6 +125,11 @@ def _delete(comm, keyval, cache):
     cache.clear()
 
 
+def cache_key(rows, head_dim, acc, strategy, node_size=0, like=None):
+    """Return the key of a merger in its communicator's cache (see :func:`merger_for`)."""
+    return (rows, head_dim, acc, strategy, node_size, _staging(like))
+
+
 def merger_for(comm, rows, head_dim, acc, strategy, node_size=0, like=None):
     """Return the merger cached on ``comm`` for this problem, building it on first use.
 
@@ -143,7 +148,7 @@ def merger_for(comm, rows, head_dim, acc, strategy, node_size=0, like=None):
     if cache is None:
         cache = OrderedDict()
         comm.Set_attr(_keyval, cache)
-    key = (rows, head_dim, acc, strategy, node_size, _staging(like))
+    key = cache_key(rows, head_dim, acc, strategy, node_size, like)
     merger = cache.get(key)
     if merger is None and strategy == INVARIANT:
         merger = cache[key] = InvariantMerger(comm, rows, head_dim, acc)

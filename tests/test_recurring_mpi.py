@@ -119,6 +119,36 @@ def test_a_recurring_call_reuses_its_merger_until_it_is_freed():
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
+def test_a_reused_merger_is_evicted_alike_on_every_rank():
+    """A merger reused on some ranks and looked up on others stays in step in every cache.
+
+    Rank 0's last call ran on another communicator, so it looks the kept merger up
+    where the others reuse it: both must mark it used, or the caches' LRU orders
+    part and a later call rebuilds (a collective) a merger on some ranks only: a hang.
+    """
+    from mpitree import _merger
+
+    comm = world().Dup()
+    sub = comm.Split(int(comm.rank == 0), comm.rank)
+    q, k, v, ref = list(growing_cache(comm, 3))[-1]
+    expected = reference_attention(*ref)[0]
+    for _ in range(3):  # the third call repeats the kept template's merge tuple
+        mpitree.tree_decode(q, k, v, comm)
+    _merger.merger_for(comm, 7, 8, "float32", "allgather")  # used after it, not remembered
+    if comm.rank == 0:
+        mpitree.tree_decode(q, k, v, sub)
+    assert_allclose(mpitree.tree_decode(q, k, v, comm), expected, atol=2e-5, rtol=0)
+    orders = comm.allgather(list(comm.Get_attr(_merger._keyval)))
+    assert all(order == orders[0] for order in orders), orders
+    for b in range(1, 17):  # 16 more mergers: the LRU evicts the two above
+        kv = np.zeros((b, 1, 2, 16), np.float32)
+        mpitree.tree_decode(kv[:, :, :1], kv, kv, comm)
+    assert_allclose(mpitree.tree_decode(q, k, v, comm), expected, atol=2e-5, rtol=0)
+    sub.Free()
+    comm.Free()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
 def test_nan_after_layout_recurred_stays_nan():
     """A NaN value on one rank poisons its rows everywhere, on a remembered layout too."""
     comm = world()
