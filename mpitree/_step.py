@@ -112,10 +112,16 @@ class KernelSlot:
     def bind(self, att, kv_len=None):
         """Bind to a checked step over numpy arrays (and its ``kv_len``); return whether it can run.
 
-        :meth:`step` then runs the later steps with the same :func:`_layout`.
+        :meth:`step` then runs the later steps with the same :func:`_layout`. A
+        prompt binds nothing: the bound kernel would not run it, nor the steps after
+        it over as many keys or more (a step over fewer binds again).
         """
-        self._key, self._prepared = None, Prepared.of(att.q, att.k, att.v, att.scale)
+        self._key, self._layout = None, None
         self._rows = tuple(int(s) for s in att.q.shape[:3])
+        if self.prompt(*self._rows, int(att.k.shape[2])):
+            self._prepared = None
+            return False
+        self._prepared = Prepared.of(att.q, att.k, att.v, att.scale)
         self._layout = None if self._prepared is None else _layout(att.q, att.k, att.v, kv_len)
         return self._layout is not None
 

@@ -303,6 +303,35 @@ def test_every_bound_kernel_runs_a_prompt_as_attend_does(monkeypatch, sq):
         assert not np.array_equal(split_bits[0], split_bits[1])
 
 
+def test_a_prompt_binds_no_kernel_step_after_step(monkeypatch):
+    """A plan's or a one-shot call's prompt steps build no kernel arguments the slot cannot run.
+
+    Each such step failed the bound kernel's prompt check, took the full checks and
+    then bound the kernel afresh (scratch, argument struct) for the next step to refuse.
+    """
+    from mpi4py import MPI
+
+    import mpitree
+    from mpitree import _kernel, _local
+
+    rng = np.random.default_rng(4)
+    b, h, sq, t, dim = 1, 2, 3, 40, 8
+    q = rng.standard_normal((b, h, sq, dim)).astype(np.float32)
+    k, v = (rng.standard_normal((b, h, t + 8, dim)).astype(np.float32) for _ in "kv")
+    monkeypatch.setattr(_local, "BLOCK_SCORES", b * h * t)  # sq rows over t keys: a prompt
+    built = []
+    real = _kernel.Prepared.of
+    monkeypatch.setattr(_kernel.Prepared, "of", lambda *a: built.append(1) or real(*a))
+    plan = mpitree.DecodePlan(b, h, h, dim, q_len=sq, comm=MPI.COMM_SELF)
+    for n in range(t, t + 8):  # the cache grows in place: every step a prompt
+        ref = mpitree.reference_attention(q, k[:, :, :n], v[:, :, :n])[0]
+        np.testing.assert_allclose(plan.decode(q, k[:, :, :n], v[:, :, :n]), ref, atol=2e-5)
+        out = mpitree.tree_decode(q, k[:, :, :n], v[:, :, :n], comm=MPI.COMM_SELF)
+        np.testing.assert_allclose(out, ref, atol=2e-5)
+    plan.free()
+    assert built == []
+
+
 @pytest.mark.parametrize("poison", ["nan key", "inf key", "nan value"])
 def test_nan_scores_poison_the_row_in_every_build(level, poison):
     """Every build's max lets NaN win, as numpy's does: one definition of "poisoned".
