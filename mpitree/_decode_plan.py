@@ -244,6 +244,7 @@ class _LazyStep:
 
     def __init__(self, plan):
         self.plan, self.args, self.step = plan, None, None
+        self.q_len = plan.problem.q_len  # the ring sizes its incoming visibility blocks by it
 
     def fill(self, records):
         """Validate against the plan, then compute this shard's state."""

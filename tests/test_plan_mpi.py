@@ -113,3 +113,19 @@ def test_plan_fast_path_matches_full_checks_and_revalidates(strategy):
         # strided K (a field of a wider buffer) and back: still right
         wide = np.repeat(k_all[:, :, :12], 2, axis=2)[:, :, ::2]
         assert_allclose(plan.decode(q, wide, v), plan.decode(q, k, v), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+@pytest.mark.parametrize("mask", [None, "head"])
+def test_ring_plan_with_masks_and_rows(mask):
+    """A ring plan's steps with per-head masks and two query rows: exact, fast path or not."""
+    comm = world()
+    sizes = [(5, 0, 9, 3)[r % 4] for r in range(comm.size)]
+    prob = make_problem(7, sizes, batch=2, q_heads=8, kv_heads=2, q_len=2, kv_len=True, mask=mask)
+    k, v, kw = prob.shard(comm.rank)
+    ref_out, _ = prob.reference()
+    with mpitree.DecodePlan(2, 8, 2, 16, q_len=2, strategy="ring", comm=comm) as plan:
+        for _step in range(3):  # the second and third steps repeat the first's layout
+            out = plan.decode(prob.q, k, v, **kw)
+            assert_allclose(out, ref_out, atol=2e-5, rtol=0)
+            assert gathered_identical(comm, out)
