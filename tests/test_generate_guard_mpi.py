@@ -4,7 +4,8 @@ The streamer's ``put``/``end`` and the tokenizer's ``decode`` (stop strings) run
 each rank outside the model's collectives. Each step's outcome (a failure, every
 row's end) is settled in one flagged collective, so a failure on one rank raises
 on every rank, and ranks whose tokenizers end rows differently raise instead of
-hanging or returning different sequences. After each failure, a correct call with
+hanging or returning different sequences; they get copies of the tokens, so what
+they write into them changes nothing. After each failure, a correct call with
 a streamer on rank 0 only and stop strings streams and returns the right tokens.
 """
 
@@ -51,6 +52,29 @@ class Digits:
         if self.calls == self.fail:
             raise RuntimeError("the tokenizer broke")
         return "".join(f"<{int(t) + self.shift}>" for t in ids)
+
+
+class Scribbler:
+    """A streamer and tokenizer stand-in that overwrites every tensor it was ever given."""
+
+    def __init__(self):
+        self.seen = []
+
+    def scribble(self, ids):
+        self.seen.append(ids)
+        for held in self.seen:
+            held.fill_(5)
+
+    def put(self, ids):
+        self.scribble(ids)
+
+    def end(self):
+        self.scribble(torch.zeros(1, dtype=torch.long))
+
+    def decode(self, ids):
+        text = "".join(f"<{int(t)}>" for t in ids)
+        self.scribble(ids)
+        return text
 
 
 def model():
@@ -132,3 +156,33 @@ def test_tokenizers_that_decode_differently_raise_on_every_rank(rows):
         generate(m, eos_token_id=[], stop_strings=stop, tokenizer=tokenizer)
     assert info.match("tokenizers decode the same tokens differently")
     streams_exactly(m)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parametrize("new", [2, NEW])
+@pytest.mark.parametrize("role", ["streamer", "tokenizer"])
+def test_user_code_that_overwrites_its_tokens_changes_nothing(role, new):
+    """A streamer or tokenizer on one rank writes into every tensor it got: no effect.
+
+    With views of the tokens, that rank fed its scribble to the next plain step (no
+    collective compares the tokens there: a silent wrong answer at ``new=2``) or its
+    returned sequences, or disagreed on the next draft (``ValueError``).
+    """
+    m = model()
+    ids, _ = prompt(9, False)
+    given = ids.clone()
+
+    def run(**kw):
+        cache = mtt.ShardedCache(m.config, block_size=4)
+        drafter = mtt.PromptLookup()
+        out = mtt.generate(m, ids, cache, drafter=drafter, max_new_tokens=new, **kw)
+        return out.sequences
+
+    free = run(eos_token_id=[])
+    scribbler = Scribbler() if world().rank == bad_rank() else None
+    if role == "streamer":
+        out = run(eos_token_id=[], streamer=scribbler)
+    else:
+        out = run(eos_token_id=[], stop_strings="<never>", tokenizer=scribbler or Digits())
+    assert torch.equal(out, free) and torch.equal(ids, given)
+    assert scribbler is None or len(scribbler.seen) >= new

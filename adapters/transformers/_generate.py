@@ -185,7 +185,7 @@ class _Stops:
         """Whether the row's generated text contains a stop string."""
         if not self.stop:
             return False
-        text = self.tokenizer.decode(row[self.start :])
+        text = self.tokenizer.decode(row[self.start :].clone())  # a copy: not our tokens
         return any(s in text for s in self.stop)
 
     @property
@@ -208,17 +208,19 @@ def _observe(stops, streamer, tokens, new, prompt=None):
 
     The tokenizer (stop strings) and the streamer are the user's code, run on this
     rank alone: an exception they raise is returned, not raised, so that
-    :func:`_settle` raises it on every rank. ``prompt``: streamed first.
+    :func:`_settle` raises it on every rank. They get copies (``.cpu()`` of a CPU
+    tensor is a view): what they write into them cannot reach the tokens, which
+    no collective compares after a plain step. ``prompt``: streamed first.
     """
     try:
         stops.see(tokens, new)
         if streamer is not None:
             if prompt is not None:
-                streamer.put(prompt[0].cpu())
+                streamer.put(prompt[0].cpu().clone())
             first = tokens.shape[1] - new  # row 0's new tokens, up to its end
             stop = tokens.shape[1] if stops.end[0] < 0 else int(stops.end[0])
             if stop > first:
-                streamer.put(tokens[0, first:stop].cpu())
+                streamer.put(tokens[0, first:stop].cpu().clone())
     except Exception as exc:  # this rank's verdict, settled in the next collective
         return exc
     return None
