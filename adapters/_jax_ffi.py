@@ -202,14 +202,48 @@ def records(q, k, v, scale, lens, vis):
 
     ``q`` ``(B, Hq, Sq, D)`` and ``k``, ``v`` ``(B, Hkv, T, D)`` float32 with
     ``T > 0``; ``lens`` int32 ``(B,)`` already within ``[0, T]`` or None;
-    ``vis`` bool ``(B, 1 or Hq, Sq, T)`` or None. Traceable; ``jax.vmap``
-    broadcasts every operand along the mapped axis and the kernel folds it
-    into the batch.
+    ``vis`` bool ``(B, 1 or Hq, Sq, T)`` or None. Traceable; under ``jax.vmap``
+    see :func:`_batched`.
     """
-    b, hq, sq, d = q.shape
-    operands = [q, k, v, jnp.asarray(scale, jnp.float32)]
-    operands += [x for x in (lens, vis) if x is not None]
-    result = jax.ShapeDtypeStruct((b, hq, sq, d + 2), jnp.float32)
-    flag = jax.ShapeDtypeStruct((), jnp.int32)
-    call = jax.ffi.ffi_call(TARGET, (result, flag), vmap_method="broadcast_all")
-    return call(*operands)
+    return _records(q, k, v, jnp.asarray(scale, jnp.float32), (lens, vis))
+
+
+def _call(q, k, v, scale, masking):
+    """Run the custom call: every operand has the same leading (vmapped) axes, kernel-folded."""
+    lead = q.shape[:-4]
+    b, hq, sq, d = q.shape[-4:]
+    result = jax.ShapeDtypeStruct((*lead, b, hq, sq, d + 2), jnp.float32)
+    flag = jax.ShapeDtypeStruct(lead, jnp.int32)
+    operands = [q, k, v, scale, *(x for x in masking if x is not None)]
+    return jax.ffi.ffi_call(TARGET, (result, flag))(*operands)
+
+
+_records = jax.custom_batching.custom_vmap(_call)
+
+
+@_records.def_vmap
+def _batched(size, batched, q, k, v, scale, masking):
+    """``jax.vmap`` of the call: a mapped q over shared K/V becomes query rows, else broadcast.
+
+    Only ``q`` mapped (several queries against one cache): its mapped axis joins
+    the query rows (``vis`` repeated along them), so K/V are read once and never
+    copied. Otherwise every operand is broadcast along the mapped axis, which the
+    kernel folds into the batch (unmapped K/V copied once per element).
+    """
+    shared = not any(jax.tree_util.tree_leaves(batched[1:]))
+    if shared and q.ndim == 5:
+        n, b, hq, sq, d = q.shape
+        rows = jnp.moveaxis(q, 0, 2).reshape(b, hq, n * sq, d)
+        lens, vis = masking
+        if vis is not None:
+            vis = jnp.broadcast_to(vis[:, :, None], (*vis.shape[:2], n, *vis.shape[2:]))
+            vis = vis.reshape(*vis.shape[:2], n * sq, vis.shape[-1])
+        rec, flag = _records(rows, k, v, scale, (lens, vis))
+        rec = jnp.moveaxis(rec.reshape(b, hq, n, sq, d + 2), 2, 0)
+        return (rec, jnp.broadcast_to(flag, (n,))), (True, True)
+    args = jax.tree_util.tree_map(
+        lambda x, mapped: x if mapped else jnp.broadcast_to(x, (size, *x.shape)),
+        (q, k, v, scale, masking),
+        tuple(batched),
+    )
+    return _records(*args), (True, True)

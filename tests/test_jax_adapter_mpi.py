@@ -406,6 +406,26 @@ def test_vmap_float32_runs_the_c_kernel(case, form):
     check_vmap(case, form, "float32", DTYPES["float32"])
 
 
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_vmap_over_queries_reads_the_shared_cache_in_place():
+    """Only q mapped: its axis becomes query rows of one kernel call, K/V never broadcast."""
+    rank = world().rank
+    prob = make_problem(6, sizes(), dtype=np.float64, **CASES["mask_per_head_ragged"])
+    k, v, kw = prob.shard(rank)
+    queries = np.stack([prob.q * (1 + i / 4) for i in range(4)])
+    args = [jnp.asarray(x, jnp.float32) for x in (queries, k, v)]
+    kw = jax_kwargs(kw)
+    shared = (0, None, None, None)  # K/V and masking shared by every query
+    decode = jax.jit(jax.vmap(lambda q, k, v, kw: mj.tree_decode(q, k, v, **kw), shared))
+    out = np.asarray(decode(*args, kw), np.float64)  # the collective first: asserts after
+    jaxpr = str(jax.make_jaxpr(decode)(*args, kw))
+    assert jaxpr.count("mpitree_attend_f32") == int(sizes()[rank] > 0)
+    assert f"f32[4,{','.join(map(str, k.shape))}]" not in jaxpr  # no per-query copy of K/V
+    for i, q in enumerate(queries):
+        want = dataclasses.replace(prob, q=np.asarray(jnp.asarray(q, jnp.float32), np.float64))
+        assert_allclose(out[i], want.reference()[0], atol=DTYPES["float32"], rtol=0)
+
+
 @pytest.mark.parallel(nprocs=[1, 2, 3, 4])
 def test_grad_through_vmap_equals_single_process_grad():
     """grad of a vmapped decode (and vmap of its grad): the backward's sum folds the same way."""
