@@ -186,3 +186,16 @@ def test_user_code_that_overwrites_its_tokens_changes_nothing(role, new):
         out = run(eos_token_id=[], stop_strings="<never>", tokenizer=scribbler or Digits())
     assert torch.equal(out, free) and torch.equal(ids, given)
     assert scribbler is None or len(scribbler.seen) >= new
+
+
+@pytest.mark.parallel(nprocs=[1, 2])
+@pytest.mark.parametrize("stop", ["", [""], [1]])
+def test_bad_stop_strings_raise_a_clear_error_on_every_rank(stop):
+    """An empty stop string without a tokenizer, or a stop string that is no str."""
+    m = model()
+    if stop == [1]:
+        with pytest.raises(TypeError, match="a str or a list of str"):
+            generate(m, eos_token_id=[], stop_strings=stop, tokenizer=Digits())
+    else:
+        with pytest.raises(ValueError, match="needs the tokenizer"):
+            generate(m, eos_token_id=[], stop_strings=stop)

@@ -160,10 +160,13 @@ class _Stops:
         pad = config.pad_token_id if pad_token_id is None else pad_token_id
         if pad is None and eos:
             pad = eos[0]  # as model.generate does, with a warning
-        if stop and tokenizer is None:
+        stop = [stop] if isinstance(stop, str) else list(stop or ())
+        if not all(isinstance(s, str) for s in stop):
+            raise TypeError(f"stop_strings must be a str or a list of str, got {stop!r}")
+        if stop and tokenizer is None:  # "" too: it names a stop string
             raise ValueError("stop_strings needs the tokenizer (tokenizer=...)")
         self.eos, self.pad = torch.tensor(eos, dtype=torch.long), pad
-        self.stop, self.tokenizer = [stop] if isinstance(stop, str) else list(stop or ()), tokenizer
+        self.stop, self.tokenizer = stop, tokenizer
         self.start = prompt_len
         self.end = torch.full((batch,), -1, dtype=torch.long)  # sequence length at the end
 
