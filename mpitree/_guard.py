@@ -102,8 +102,11 @@ def check_comm(comm):
 
 
 def _describe(error):
-    """One line naming an exception."""
-    return f"{type(error).__name__}: {error}"
+    """One line naming an exception (its type alone if its ``str`` fails: never raise here)."""
+    try:
+        return f"{type(error).__name__}: {error}"
+    except Exception:  # a str() that raises must not keep this rank from the all-gather
+        return f"{type(error).__name__} (its message could not be formatted)"
 
 
 def raise_failure(comm, error):
