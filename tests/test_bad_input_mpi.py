@@ -7,7 +7,6 @@ from mpi4py import MPI
 from numpy.testing import assert_allclose
 
 import mpitree
-from mpitree import extend
 
 STRATEGIES = ["allreduce", "allreduce3", "allgather", "ring"]
 
@@ -141,36 +140,3 @@ def test_allreduce_state_checks():
         mpitree.allreduce_state(mpitree.State.empty((3,), 8), strategy="ring")
     with pytest.raises(TypeError, match=r"mpitree\.State"):
         mpitree.allreduce_state(np.zeros((3, 10)))
-
-
-class _Unprintable(ValueError):
-    """An exception whose message cannot be formatted."""
-
-    def __str__(self):
-        raise RuntimeError("no str")
-
-
-@extend.entry_point
-def _agree_failing_on_the_last_rank(comm):
-    """One agreement whose local check raises an unprintable error on the last rank."""
-
-    def prepare():
-        if comm.rank == comm.size - 1:
-            raise _Unprintable()
-        return extend.Call({"x": 1})
-
-    extend.agree(comm, prepare)
-
-
-@pytest.mark.parallel(nprocs=[2, 3])
-def test_an_exception_that_cannot_be_printed_still_reaches_every_rank():
-    """A failing rank must reach the failure's all-gather even if str() of its error raises."""
-    comm = world()
-    with pytest.raises(ValueError) as info:
-        _agree_failing_on_the_last_rank(comm)
-    if comm.rank == comm.size - 1:
-        assert type(info.value) is _Unprintable
-    else:
-        assert isinstance(info.value, mpitree.RankError)
-        assert info.value.rank == comm.size - 1
-        assert "_Unprintable (its message could not be formatted)" in info.value.reason

@@ -199,3 +199,35 @@ def test_bad_stop_strings_raise_a_clear_error_on_every_rank(stop):
     else:
         with pytest.raises(ValueError, match="needs the tokenizer"):
             generate(m, eos_token_id=[], stop_strings=stop)
+
+
+class _Unprintable(RuntimeError):
+    """An exception whose message cannot be formatted."""
+
+    def __str__(self):
+        raise ValueError("no str")
+
+
+class UnprintableStreamer(Streamer):
+    """Raises an exception whose ``str()`` raises at its second put."""
+
+    def put(self, ids):
+        super().put(ids)
+        if len(self.puts) == 2:
+            raise _Unprintable()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_an_exception_that_cannot_be_printed_still_reaches_every_rank():
+    """The failing rank must reach the failure's all-gather even if str() of its error raises."""
+    m = model()
+    streamer = UnprintableStreamer() if world().rank == bad_rank() else None
+    with pytest.raises(Exception) as info:
+        generate(m, eos_token_id=[], streamer=streamer)
+    if world().rank == bad_rank():
+        assert type(info.value) is _Unprintable
+    else:
+        assert isinstance(info.value, mpitree.RankError), repr(info.value)
+        assert info.value.rank == bad_rank()
+        assert info.value.reason == "_Unprintable (its message could not be formatted)"
+    streams_exactly(m)
