@@ -41,7 +41,7 @@ def worker(args):
     from mpi4py import MPI
 
     import mpitree
-    from mpitree._traffic import traffic
+    from mpitree.extend import traffic
 
     comm = MPI.COMM_WORLD
     b, hq, hkv, d = SHAPE

@@ -28,11 +28,8 @@ import numpy as np
 import torch
 import transformers
 from mpi4py import MPI
-from mpitree.adapters.transformers._attention import LayerStep
 
-from mpitree import _agreed, _kernel, _merger
-from mpitree._step import Attention
-from mpitree._strategies import REGISTRY
+from mpitree.extend import phase_times
 
 TIMES = defaultdict(list)
 
@@ -108,16 +105,6 @@ def main():
     funcs = transformers.AttentionInterface._global_mapping
     funcs["mpitree"] = timed("mpitree call", funcs["mpitree"])
     funcs["sdpa"] = timed("sdpa call", funcs["sdpa"])
-    _merger.Merger.merge = timed("merge", _merger.Merger.merge)
-    _agreed.agree = timed("agreement", _agreed.agree)  # a step's one agreement, checks included
-    for cls in REGISTRY.values():  # the collective and its failure flag
-        cls.reduce = timed("collective", cls.reduce)
-    Attention.fill = timed("kernel", Attention.fill)  # the unbound path
-    _kernel.Prepared.run = timed("kernel", _kernel.Prepared.run)  # a plan's bound kernel
-    _kernel.Prepared.run_raw = timed("kernel", _kernel.Prepared.run_raw)  # a layer's bound kernel
-    if hasattr(_kernel, "BoundLayer"):  # a layer's one-call step
-        _kernel.BoundLayer.fill = timed("kernel", _kernel.BoundLayer.fill)
-    LayerStep.fill = timed("local", LayerStep.fill)  # a layer's checked step
     tok = ids[:, -1:]
 
     def step(impl, c):
@@ -136,13 +123,16 @@ def main():
         TIMES["bare collective"].append(time.perf_counter() - start)
 
     runs = [("mpitree", cache)] + ([("sdpa", dynamic)] if dynamic is not None else [])
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup:
-            TIMES.clear()
-        comm.Barrier()
-        bare_agreement()
-        for impl, c in runs:
-            step(impl, c)
+    # mpitree's own timers: the merge, a step's one agreement (checks included), the
+    # collective and its failure flag, the C kernel, a layer's checked step ("local")
+    with phase_times(TIMES):
+        for i in range(args.warmup + args.steps):
+            if i == args.warmup:
+                TIMES.clear()
+            comm.Barrier()
+            bare_agreement()
+            for impl, c in runs:
+                step(impl, c)
     med = {k: statistics.median(v) * 1e6 for k, v in TIMES.items()}
     med["per step"] = statistics.median(per_step(TIMES, args.steps)) * 1e6
     first, later = by_layer(TIMES, args.steps)

@@ -7,7 +7,8 @@ steps, slowest rank):
 - ``step``: a :class:`~mpitree.DecodePlan` step (default mode, and invariant mode
   with ``kv_start``), no per-step agreement;
 - ``kernel``: the local work alone: the C kernel over the shard (default), the
-  leaf states of its blocks reduced to its canonical-tree pieces (invariant);
+  leaf states of its blocks reduced to its canonical-tree pieces, the placement
+  check included (invariant: ``mpitree.extend.invariant_pieces``);
 - ``merge``: the communication and combining alone, local work already done.
 
 Shards sit on the power-of-two block grid ("aligned": each rank's T / block_size
@@ -24,13 +25,17 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpitree import DecodePlan
-from mpitree._invariant import check_placement, leaf_records, local_pieces
-from mpitree._invariant_merger import InvariantMerger
-from mpitree._kernel import Prepared, kernel_isa
-from mpitree._runtime import default_comm
-from mpitree._step import local_attention
-from mpitree._traffic import traffic
+from mpitree import DecodePlan, default_comm
+from mpitree.extend import (
+    INVARIANT,
+    Prepared,
+    invariant_pieces,
+    kernel_isa,
+    merger_for,
+    plan_merger,
+    prepare_attention,
+    traffic,
+)
 
 HEAD_DIM = 128
 
@@ -46,20 +51,20 @@ def measure(comm, t, block, offset, steps):
     inv = DecodePlan(1, 32, 8, HEAD_DIM, comm=comm, deterministic="invariant", block_size=block)
     prepared = Prepared.of(q, k, v, plain.scale)
     records = np.empty((32, HEAD_DIM + 2), np.float32)
-    step = local_attention(q, k, v, None, None, None, None, plain.scale)[1]
-    blocks = check_placement(t, block, kv_start=start)
+    step = prepare_attention(q, k, v, None, None, None, None, {"scale": plain.scale})[2]
 
     def pieces():
-        return local_pieces(blocks, leaf_records(step, block, len(blocks), "float32"))
+        return invariant_pieces(step, block, start, None, "float32")
 
     mine = pieces()
-    merger = InvariantMerger(comm, 32, HEAD_DIM, "float32")
+    merger = merger_for(comm, 32, HEAD_DIM, "float32", INVARIANT)
+    plain_merger = plan_merger(plain)
     methods = {
         "step": lambda: plain.decode(q, k, v),
         "step inv": lambda: inv.decode(q, k, v, kv_start=start),
         "kernel": lambda: prepared.run(q, k, v, None, records),
         "kernel inv": pieces,
-        "merge": lambda: plain._merger.merge(lambda rec: None),
+        "merge": lambda: plain_merger.merge(lambda rec: None),
         "merge inv": lambda: merger.merge(lambda: mine),
     }
     sent = {}

@@ -15,9 +15,8 @@ import time
 
 import numpy as np
 
-from mpitree._kernel import _I64x3, kernel_isa, read_seconds
-from mpitree._library import AttnArgs
-from mpitree._local import local_state
+from mpitree import local_state
+from mpitree.extend import Prepared, kernel_isa, read_seconds
 
 SHAPES = {
     "llama3-8b GQA 32/8": (32, 8, 128),
@@ -28,23 +27,17 @@ SHAPES = {
 def other_build(path):
     """Return a function running the kernel of another ``mpitree._native`` build (e.g. before)."""
     lib = ctypes.CDLL(path)
-    lib.mpitree_attend_f32.argtypes = [ctypes.POINTER(AttnArgs)] + [ctypes.c_void_p] * 5
+    lib.mpitree_attend_f32.argtypes = [ctypes.c_void_p] * 6
     lib.mpitree_attend_scratch.restype = ctypes.c_int64
     lib.mpitree_attend_scratch.argtypes = [ctypes.c_int64] * 2
 
     def run(q, k, v):
         b, hq, sq, dim = q.shape
-        hkv, t = k.shape[1], k.shape[2]
-        strides = _I64x3(hkv * t * dim, t * dim, dim)
-        args = AttnArgs(b, hq, hkv, sq, dim, strides, strides, 0, t)
-        args.scale = dim**-0.5
-        scratch = np.empty(lib.mpitree_attend_scratch(hq // hkv * sq, dim), np.float32)
+        prepared = Prepared.of(q, k, v, dim**-0.5, lib=lib)
         out = np.empty((b, hq, sq, dim + 2), np.float32)
-        for x in (q, k, v, out, scratch):
+        for x in (q, k, v, out):
             assert x.flags.c_contiguous
-        lib.mpitree_attend_f32(
-            ctypes.byref(args), *(x.ctypes.data for x in (q, k, v, out, scratch))
-        )
+        prepared.run(q, k, v, None, out)
 
     return run
 

@@ -33,9 +33,6 @@ import numpy as np
 from mpi4py import MPI
 
 import mpitree
-import mpitree._kernel
-import mpitree._merger
-from mpitree._runtime import default_comm
 
 SHAPES = {"llama": (1, 32, 8, 1, 128), "tiny": (1, 1, 1, 1, 8)}  # B, Hq, Hkv, Sq, D
 
@@ -70,12 +67,12 @@ def package_methods(pkg, comm, shape, keys, rank):
     v = rng.standard_normal((b, hkv, keys, dim), dtype=np.float32)
     state = pkg.State(rng.standard_normal((b, hq, sq, dim + 2)).astype(np.float32))
     plan = pkg.DecodePlan(b, hq, hkv, dim, q_len=sq, comm=comm)
-    merger = plan._merger
-    paper = pkg._merger.Merger(comm, rows, dim, "float32", "allreduce3")
+    merger = pkg.extend.plan_merger(plan)
+    paper = pkg.extend.Merger(comm, rows, dim, "float32", "allreduce3")
     for buf in (merger.buf, paper.buf):
         buf[:-1] = rng.standard_normal((rows, dim + 2))
     records = np.empty((rows, dim + 2), np.float32)
-    prepared = pkg._kernel.Prepared.of(q, k, v, plan.scale)
+    prepared = pkg.extend.Prepared.of(q, k, v, plan.scale)
 
     def noop(rec):
         return None
@@ -193,10 +190,11 @@ def main():
         "--baseline",
         metavar="PACKAGE",
         help="also time a copy of mpitree importable under another name (e.g. an older "
-        "commit exported as mpitree_before), interleaved in the same loop",
+        "commit exported as mpitree_before; one whose mpitree.extend has plan_merger "
+        "and Prepared), interleaved in the same loop",
     )
     args = parser.parse_args()
-    comm = default_comm()
+    comm = mpitree.default_comm()
     packages = {"mpitree": mpitree}
     if args.baseline:
         packages = {args.baseline: importlib.import_module(args.baseline), **packages}

@@ -5,7 +5,7 @@ with T keys per rank, times side by side, interleaved, in one run (median over
 steps, slowest rank):
 
 - ``step``: ``plan.decode`` with the fast path (unchanged layout: no re-validation);
-- ``step (full checks)``: the same with ``mpitree._decode_plan.FAST_PATH = False``
+- ``step (full checks)``: the same inside ``mpitree.extend.full_checks()``
   (what every step paid before the fast path);
 - ``kernel``: the C kernel alone on preallocated records;
 - ``merge``: one merge alone (the plan's merger, records already filled).
@@ -23,9 +23,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpitree import DecodePlan, _decode_plan
-from mpitree._kernel import Prepared, kernel_isa
-from mpitree._runtime import default_comm
+from mpitree import DecodePlan, default_comm
+from mpitree.extend import Prepared, full_checks, kernel_isa, plan_merger
 
 
 def measure(comm, t, steps):
@@ -35,16 +34,13 @@ def measure(comm, t, steps):
     k = rng.standard_normal((1, 8, t, 128), dtype=np.float32)
     v = rng.standard_normal((1, 8, t, 128), dtype=np.float32)
     plan = DecodePlan(1, 32, 8, 128, comm=comm)
-    merger = plan._merger
+    merger = plan_merger(plan)
     prepared = Prepared.of(q, k, v, plan.scale)
     records = np.empty((32, 130), np.float32)
 
     def full():
-        _decode_plan.FAST_PATH = False
-        try:
+        with full_checks():
             plan.decode(q, k, v)
-        finally:
-            _decode_plan.FAST_PATH = True
 
     methods = {
         "step": lambda: plan.decode(q, k, v),

@@ -37,10 +37,9 @@ import torch
 import transformers
 from decode_overhead import TIMES, timed  # this folder: the timers, written once
 from mpi4py import MPI
-from mpitree.adapters.transformers._attention import LayerStep
 
-from mpitree import _kernel, _local, spec
-from mpitree._strategies import REGISTRY
+from mpitree import spec
+from mpitree.extend import phase_times
 
 LLAMA8B_ATTENTION = dict(
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0
@@ -48,14 +47,9 @@ LLAMA8B_ATTENTION = dict(
 
 
 def instrument():
-    """Put the timers on the attention call, its local work, the kernel and the collective."""
+    """Put a timer on the attention call; mpitree's own time the rest (``phase_times``)."""
     funcs = transformers.AttentionInterface._global_mapping
     funcs["mpitree"] = timed("call", funcs["mpitree"])
-    LayerStep.fill = timed("local", LayerStep.fill)
-    _local.attend_native = timed("kernel", _local.attend_native)
-    _kernel.BoundLayer.fill = timed("kernel", _kernel.BoundLayer.fill)
-    for cls in REGISTRY.values():
-        cls.reduce = timed("collective", cls.reduce)
 
 
 def fill_cache(cfg, context, seed=2):
@@ -143,13 +137,14 @@ def main():
             cache.crop(-1)
         return elapsed, {k: sum(v) for k, v in TIMES.items()}
 
-    for i in range(args.warmup + args.steps):
-        for name, packed in cases if i % 2 else cases[::-1]:
-            elapsed, split = run(name, packed)
-            if i >= args.warmup:
-                steps[name].append(elapsed)
-                for k, v in split.items():
-                    parts[name][k].append(v)
+    with phase_times(TIMES):  # mpitree's timers: the local step, the kernel, the collective
+        for i in range(args.warmup + args.steps):
+            for name, packed in cases if i % 2 else cases[::-1]:
+                elapsed, split = run(name, packed)
+                if i >= args.warmup:
+                    steps[name].append(elapsed)
+                    for k, v in split.items():
+                        parts[name][k].append(v)
     med = {
         name: {
             "step": statistics.median(steps[name]),

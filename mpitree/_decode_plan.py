@@ -280,3 +280,54 @@ class _LazyStep:
         if self.step is None:
             self.step = self.plan._step(self.args)
         self.step.attend_block(*args)
+
+
+def plan_merger(plan):
+    """Return the merger a :class:`DecodePlan`'s steps merge through (local).
+
+    For benchmarks: ``plan_merger(plan).merge(lambda records: None)`` times one
+    step's merge alone, the local work already done. The merger belongs to the
+    plan (``plan.free()`` frees it).
+
+    Parameters
+    ----------
+    plan : DecodePlan
+        A plan not yet freed.
+
+    Returns
+    -------
+    Merger
+        Its records buffer ``merger.buf`` is ``(rows + 1, D + 2)`` in the plan's
+        accumulation dtype (the last record: the failure flag). An
+        ``InvariantMerger`` for a ``deterministic="invariant"`` plan.
+    """
+    if not isinstance(plan, DecodePlan):
+        raise TypeError(f"mpitree: plan_merger takes a DecodePlan, not {type(plan).__name__}")
+    return plan._merger
+
+
+class full_checks:
+    """Inside a ``with`` block, every :class:`DecodePlan` step takes the full checks (local).
+
+    A plan normally skips re-validating a step whose layout is unchanged (its
+    fast path). For benchmarks and tests, this turns the fast path off in this
+    process while the block runs, so a step costs what it costs without it; the
+    results are the same. Leaving the block turns it back on. Cheap to enter
+    (two assignments), so a benchmark may wrap single steps. Not thread-safe.
+
+    Examples
+    --------
+    >>> with extend.full_checks():                    # doctest: +SKIP
+    ...     plan.decode(q, k, v)                      # re-validated
+    """
+
+    __slots__ = ()
+
+    def __enter__(self):
+        global FAST_PATH
+        FAST_PATH = False
+
+    def __exit__(self, *exc):
+        global FAST_PATH
+        FAST_PATH = True
+        return False

@@ -171,9 +171,31 @@ class Prepared:
         self._kp = self._vp = self._op = 0
 
     @classmethod
-    def of(cls, q, k, v, scale):
-        """Return a :class:`Prepared` for these (already validated) arrays, or None."""
-        lib = _lib()
+    def of(cls, q, k, v, scale, lib=None):
+        """Return a :class:`Prepared` for these (already validated) arrays, or None.
+
+        Parameters
+        ----------
+        q : numpy.ndarray
+            float32 ``(B, Hq, Sq, D)``, C-contiguous.
+        k, v : numpy.ndarray
+            float32 ``(B, Hkv, T, D)``, unit stride along ``D``.
+        scale : float
+            The score scale.
+        lib : ctypes.CDLL, optional
+            Another build of the compiled library to run (benchmarks: an older
+            commit's ``mpitree/_native*.so``), with ``mpitree_attend_f32``'s six
+            arguments declared as pointers and ``mpitree_attend_scratch``
+            returning ``c_int64``; this build's by default.
+
+        Returns
+        -------
+        Prepared or None
+            None without the compiled library or for other arrays; then
+            :meth:`run` (``out``: float32 ``(B, Hq, Sq, D + 2)`` records, C order)
+            is not available and the caller takes the general path.
+        """
+        lib = _lib() if lib is None else lib
         if lib is None or not all(type(x) is np.ndarray for x in (q, k, v)):
             return None
         if not (q.dtype == k.dtype == v.dtype == np.float32) or not q.flags.c_contiguous:

@@ -34,12 +34,21 @@ its own: ``allgather_rows`` hands every rank every rank's query rows, and
 ``reduce_scatter_records`` merges each rank's partial states of all of them and
 hands every rank its own, a failure anywhere raising on every rank.
 
+Benchmarks and tools measure through the same layer, locally (no MPI):
+``phase_times`` times the phases of calls made inside a ``with`` block,
+``traffic`` counts the bytes handed to MPI, ``Prepared`` runs the compiled kernel
+alone, ``read_seconds`` times the read floor, ``kernel_isa`` names the kernel
+build, ``plan_merger`` gives a plan's merger (its merge alone) and
+``full_checks`` turns a plan's fast path off. None of them costs anything
+when unused.
+
 Everything here is public and stable within a minor version; adapters in
 ``mpitree.adapters`` use nothing else of the core.
 """
 
 from ._agreed import agree_merger
 from ._checks import Problem, check_masking, check_qkv
+from ._decode_plan import full_checks, plan_merger
 from ._guard import (
     ENTRY_POINTS,
     Call,
@@ -50,7 +59,7 @@ from ._guard import (
     flagged_allreduce,
 )
 from ._invariant_step import invariant_pieces, invariant_signature
-from ._kernel import BoundLayer
+from ._kernel import BoundLayer, Prepared, kernel_isa, read_seconds
 from ._local import attend, state_records
 from ._masks import visibility
 from ._merger import Merger, merger_for
@@ -60,16 +69,25 @@ from ._prefill_collectives import allgather_rows, reduce_scatter_records
 from ._state import combine_records, empty_records, finish, merge_records
 from ._step import Attention, KernelSlot, prepare_attention
 from ._strategies import op_needed, resolve
+from ._traffic import phase_times
+from ._traffic import traffic as _traffic
+
+#: This rank's running count of the payload bytes mpitree's merges hand to MPI
+#: (``traffic.bytes``, ``traffic.calls``; ``traffic.reset()`` zeroes both): what
+#: each strategy passes to its MPI calls, not what the MPI library then moves on
+#: the wire. Always on, local; for benchmarks and tools.
+traffic = _traffic
 
 __all__ = [
-    "ENTRY_POINTS",
-    "INVARIANT",
     "Attention",
     "BoundLayer",
-    "KernelSlot",
     "Call",
+    "ENTRY_POINTS",
+    "INVARIANT",
+    "KernelSlot",
     "Merger",
     "Options",
+    "Prepared",
     "Problem",
     "RankError",
     "acc_name",
@@ -86,15 +104,21 @@ __all__ = [
     "entry_point",
     "finish",
     "flagged_allreduce",
+    "full_checks",
     "invariant_pieces",
     "invariant_signature",
+    "kernel_isa",
     "merge_records",
     "merger_for",
     "namespace",
     "op_needed",
+    "phase_times",
+    "plan_merger",
     "prepare_attention",
+    "read_seconds",
     "reduce_scatter_records",
     "resolve",
     "state_records",
+    "traffic",
     "visibility",
 ]
