@@ -1,10 +1,11 @@
 """Per-layer decode overhead of attn_implementation="mpitree", broken down, vs transformers' sdpa.
 
 Every rank runs the same random-weight Llama decode steps over a ``ShardedCache``;
-timers wrap the attention entry point, the merge, the merge strategy's collective
-(with its failure flag), the layer's checked local work inside the merge (when a
-layer takes that path rather than its one-call step) and the C kernel (with its
-ctypes call), so each layer's time splits into the kernel, the collective, the
+timers wrap the attention entry point and (``mpitree.extend.phase_times``) the
+step's agreement, the merge, the merge strategy's collective (with its failure
+flag), the layer's checked local work inside the merge (when a layer takes that
+path rather than its one-call step) and the C kernel (with its ctypes call), so
+each layer's time splits into the kernel, the collective, the
 merge's own Python, the layer's checks and the rest of the call. The overhead is
 everything but the kernel and the collective. A step's first layer also runs the
 step's agreement (its checks and one 4-int64 MIN all-reduce), timed on its own

@@ -37,7 +37,14 @@ def native_kernel_available():
 
 
 def kernel_isa():
-    """Return which build of the compiled kernel runs on this CPU (e.g. "x86-64-v4 (AVX-512)")."""
+    """Return which build of the compiled kernel runs on this CPU (local).
+
+    Returns
+    -------
+    str
+        E.g. ``"x86-64-v4 (AVX-512)"``, or ``"numpy (no compiled kernel)"`` without
+        the compiled library. Invariant mode's results depend on it (ranks agree on it).
+    """
     lib = _lib()
     return "numpy (no compiled kernel)" if lib is None else lib.mpitree_kernel_isa().decode()
 
@@ -290,7 +297,25 @@ class BoundLayer:
 
 
 def read_seconds(x):
-    """Stream-read a contiguous float32 array once with the compiled loop; return seconds."""
+    """Stream-read a contiguous float32 array once with the compiled loop; return seconds.
+
+    The read floor of the local kernel: K and V read once each bound its time.
+
+    Parameters
+    ----------
+    x : numpy.ndarray
+        C-contiguous float32, any shape.
+
+    Returns
+    -------
+    float
+        Wall seconds of one pass.
+
+    Raises
+    ------
+    RuntimeError
+        Without the compiled library.
+    """
     lib = _lib()
     if lib is None:
         raise RuntimeError("mpitree: the native library is not built")
