@@ -312,8 +312,9 @@ class full_checks:
     A plan normally skips re-validating a step whose layout is unchanged (its
     fast path). For benchmarks and tests, this turns the fast path off in this
     process while the block runs, so a step costs what it costs without it; the
-    results are the same. Leaving the block turns it back on. Cheap to enter
-    (two assignments), so a benchmark may wrap single steps. Not thread-safe.
+    results are the same. Leaving the block restores what was in force before
+    (blocks nest). Cheap to enter, so a benchmark may wrap single steps. Not
+    thread-safe.
 
     Examples
     --------
@@ -321,13 +322,13 @@ class full_checks:
     ...     plan.decode(q, k, v)                      # re-validated
     """
 
-    __slots__ = ()
+    __slots__ = ("_before",)
 
     def __enter__(self):
         global FAST_PATH
-        FAST_PATH = False
+        self._before, FAST_PATH = FAST_PATH, False
 
     def __exit__(self, *exc):
         global FAST_PATH
-        FAST_PATH = True
+        FAST_PATH = self._before
         return False

@@ -71,7 +71,9 @@ def test_full_checks_turns_the_fast_path_off_inside_only():
         fast = plan.decode(q, k, v)
         with extend.full_checks():
             assert _decode_plan.FAST_PATH is False
-            full = plan.decode(q, k, v)
+            with extend.full_checks():
+                full = plan.decode(q, k, v)
+            assert _decode_plan.FAST_PATH is False  # blocks nest
         assert _decode_plan.FAST_PATH is True
     np.testing.assert_array_equal(full, fast)
 
