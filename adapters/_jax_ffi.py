@@ -1,16 +1,24 @@
-"""The C kernel inside a jitted JAX program: an XLA FFI custom call, K/V read in place.
+"""mpitree's two custom calls inside a jitted JAX program, through the XLA FFI C API.
 
-XLA calls :func:`_handler` through the XLA FFI C API (a ``ctypes`` function
-registered with :func:`jax.ffi.register_ffi_target`) with pointers to the
-operands' own buffers: K and V are viewed as numpy arrays without a copy (a
-``jax.pure_callback`` or ``io_callback`` copies its operands, 0.5 GiB a step
-at 128K keys) and :func:`mpitree.extend.attend` runs the core's local kernel on
-them into the call's result buffer. The call is local (no communication): the
-merge stays in the adapter's ordered callback. The call never fails in XLA: a
-kernel error is kept (:func:`failure`) and the call's second result, a flag,
-carries it into the merge's agreement, so every rank raises (an XLA error on
-one rank would leave the others waiting in the merge). Importing this module
-imports JAX.
+XLA calls the handlers (``ctypes`` functions registered with
+:func:`jax.ffi.register_ffi_target`) with pointers to the operands' own buffers,
+viewed here as numpy arrays without a copy (a ``jax.pure_callback`` or
+``io_callback`` copies its operands, 0.5 GiB a step at 128K keys):
+
+- :func:`records`, local: :func:`mpitree.extend.attend` runs the core's C
+  kernel on K/V in place into the call's result buffer. It never fails in XLA:
+  a kernel error is kept (:func:`failure`) and the call's second result, a
+  flag, carries it into the merge's agreement, so every rank raises (an XLA
+  error on one rank would leave the others waiting in the merge).
+- :func:`merge`, the collective: a primitive with an ordered effect (threaded
+  through XLA tokens, as mpi4jax orders its collectives), so every rank runs
+  its merges exactly once per call and in program order. Its handler runs the
+  adapter's guarded host step (the agreement, then one ``MPI_Allreduce`` with
+  the native op) on the records in place and writes the merged records into
+  the result buffer; the step's exception becomes the call's XLA error.
+
+The ordered effect uses JAX's internal effects API (``jax._src.effects``, as
+mpi4jax does), checked with JAX 0.10. Importing this module imports JAX.
 """
 
 from __future__ import annotations
@@ -23,7 +31,19 @@ import numpy as np
 
 from mpitree import extend
 
+try:  # the ordered effect of the merge: JAX internals (as mpi4jax uses them)
+    from jax._src import effects
+    from jax._src.core import ShapedArray, abstract_token
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+except ImportError as exc:  # pragma: no cover - a JAX whose internals moved
+    raise ImportError(
+        f"mpitree.adapters.jax needs JAX 0.10's effects API (found jax {jax.__version__}): "
+        f"{exc}; install the version the 'jax' extra names"
+    ) from exc
+
 TARGET = "mpitree_attend_f32"
+MERGE_TARGET = "mpitree_merge"
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -114,13 +134,39 @@ class _MetadataExtension(ctypes.Structure):
     ]
 
 
+class _ErrorArgs(ctypes.Structure):
+    """``XLA_FFI_Error_Create_Args``."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", _ptr),
+        ("message", ctypes.c_char_p),
+        ("errc", ctypes.c_int),
+    ]
+
+
+class _Api(ctypes.Structure):
+    """``XLA_FFI_Api`` up to ``XLA_FFI_Error_Create``."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", _ptr),
+        ("api_version", _Version),
+        ("internal_api", _ptr),
+        ("error_create", ctypes.CFUNCTYPE(_ptr, ctypes.POINTER(_ErrorArgs))),
+    ]
+
+
 _EXTENSION_METADATA, _STAGE_EXECUTE = 1, 3
 _API_VERSION = (0, 1)  # the XLA FFI C API version these mirrors follow
+_INTERNAL = 13  # XLA_FFI_Error_Code_INTERNAL
 FAILED = 2  # the flag bit of a failed kernel call (the adapter's kv_len check is bit 1)
-_DTYPES = {1: np.bool_, 4: np.int32, 11: np.float32}  # XLA_FFI_DataType: PRED, S32, F32
+_DTYPES = {1: np.bool_, 4: np.int32, 11: np.float32, 12: np.float64}  # PRED S32 F32 F64
 _NUMPY = extend.namespace(np.zeros(0, np.float32))
 _HANDLER = ctypes.CFUNCTYPE(_ptr, _ptr)
 _failures = []  # the kernel errors not yet raised (by failure())
+if "_hosts" not in globals():  # a reload keeps the keys compiled programs already hold
+    _hosts = []  # the lowered merges' host steps, by key: compiled programs call them for life
 
 
 def _view(address):
@@ -166,9 +212,8 @@ def failure():
     return error
 
 
-def _handler(address):
-    """Handle one XLA FFI call: answer the metadata query; run the kernel at execution."""
-    frame = _Frame.from_address(address)
+def _executes(frame):
+    """Whether XLA calls to execute (else: answer its metadata query; other stages: nothing)."""
     if frame.extension_start:
         ext = _MetadataExtension.from_address(frame.extension_start)
         if ext.type == _EXTENSION_METADATA:
@@ -176,8 +221,14 @@ def _handler(address):
             meta.version.struct_size = ctypes.sizeof(_Version)
             meta.version.major, meta.version.minor = _API_VERSION
             meta.traits = 0
-            return None
-    if frame.stage != _STAGE_EXECUTE:
+            return False
+    return frame.stage == _STAGE_EXECUTE
+
+
+def _attend_handler(address):
+    """Handle one kernel call: run the kernel; a failure sets the flag, never an XLA error."""
+    frame = _Frame.from_address(address)
+    if not _executes(frame):
         return None
     flag = _view(frame.rets.items[1]).reshape(-1)
     try:
@@ -189,9 +240,95 @@ def _handler(address):
     return None
 
 
-if "_CALLBACK" not in globals():  # a reload keeps XLA's registration and the callback it holds
-    _CALLBACK = _HANDLER(_handler)  # alive as long as the process: XLA holds its address
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_CALLBACK), platform="cpu")
+def _merge_handler(address):
+    """Handle one merge: operands records, flag, key, token; results merged records, token.
+
+    The host step's exception (the agreement's verdict, on every rank alike)
+    becomes the call's XLA error, its last line ``Type: message``.
+    """
+    frame = _Frame.from_address(address)
+    if not _executes(frame):
+        return None
+    try:
+        records, flag, key = (_view(frame.args.items[i]) for i in range(3))
+        out = _view(frame.rets.items[0])
+        out[...] = _hosts[int(key)](records, flag)
+    except BaseException as exc:  # an exception escaping a ctypes callback is lost
+        try:
+            text = f"{type(exc).__name__}: {exc}"
+        except Exception:  # a str() that raises: the type still names it
+            text = type(exc).__name__
+        message = f"mpitree: the merge raised\n{text}"
+        api = _Api.from_address(frame.api)
+        args = _ErrorArgs(ctypes.sizeof(_ErrorArgs), None, message.encode(), _INTERNAL)
+        return api.error_create(ctypes.byref(args))
+    return None
+
+
+class _MergeEffect(effects.Effect):
+    """The merge's ordered effect: merges run once per call, in program order, on every rank."""
+
+
+_EFFECT = _MergeEffect()
+for _kind in ("lowerable", "ordered", "control_flow_allowed", "custom_derivatives_allowed"):
+    getattr(effects, f"{_kind}_effects").add_type(_MergeEffect)
+
+_merge_p = Primitive("mpitree_merge")
+_merge_p.def_effectful_abstract_eval(
+    lambda records, flag, *, host: (ShapedArray(records.shape, records.dtype), {_EFFECT})
+)
+
+
+@_merge_p.def_impl
+def _merge_now(records, flag, *, host):
+    """Run a merge outside a compiled program, after the merges already dispatched."""
+    jax.effects_barrier()
+    return jnp.asarray(host(np.asarray(records), np.asarray(flag)))
+
+
+def _lower_merge(ctx, records, flag, *, host):
+    """Lower a merge to the custom call, its token in and out, ``host`` kept by a key operand.
+
+    ``host`` is also the program's host callback, as for an ``io_callback``: JAX
+    then runs the program as it runs those, and a merge that raised leaves the
+    effect's runtime token usable (otherwise that rank's next program fails at
+    once with the old error while the others wait in its merge: a hang), and
+    JAX keeps such a program out of its persistent compilation cache (``key``
+    means nothing in another process).
+    """
+    _hosts.append(host)
+    ctx.module_context.add_host_callback(host)
+    key = mlir.ir_constant(np.int32(len(_hosts) - 1))
+    call = ctx.replace(
+        avals_in=(*ctx.avals_in, ShapedArray((), np.int32), abstract_token),
+        avals_out=(*ctx.avals_out, abstract_token),
+    )
+    lower = jax.ffi.ffi_lowering(MERGE_TARGET, has_side_effect=True)
+    merged, token = lower(call, records, flag, key, ctx.tokens_in.get(_EFFECT))
+    ctx.set_tokens_out(mlir.TokenSet({_EFFECT: token}))
+    return [merged]
+
+
+mlir.register_lowering(_merge_p, _lower_merge, platform="cpu")
+
+if "_CALLBACKS" not in globals():  # a reload keeps XLA's registrations and the callbacks they
+    _CALLBACKS = (_HANDLER(_attend_handler), _HANDLER(_merge_handler))  # hold for life
+    for _target, _callback in zip((TARGET, MERGE_TARGET), _CALLBACKS, strict=True):
+        jax.ffi.register_ffi_target(_target, jax.ffi.pycapsule(_callback), platform="cpu")
+
+
+def merge(host, records, flag):
+    """Return ``host(records, flag)``, run by the ordered merge call when the program runs.
+
+    ``records`` float32 or float64, any shape; ``flag`` int32 scalar; ``host``
+    returns the merged records (a numpy array of ``records``' shape) or raises,
+    alike on every rank. Traced, it is a custom call in program order among
+    the program's merges (lowered once per compilation; the compiled program
+    keeps ``host``); outside a program it runs ``host`` at once, after the
+    merges already dispatched. Not batched, differentiated or transposed: the
+    adapter's ``custom_vmap`` and ``custom_vjp`` wrap it.
+    """
+    return _merge_p.bind(records, flag, host=host)
 
 
 def records(q, k, v, scale, lens, vis):

@@ -4,11 +4,11 @@
 compiled program: for float32, the core's C kernel as an XLA FFI custom call
 reading K/V in place (``adapters/_jax_ffi.py``; ``MPITREE_JAX_LOCAL=xla`` when
 traced selects XLA instead); for other dtypes, XLA's grouped matmuls (float32
-accumulation, no repeated K/V). It then leaves the compiled program once for
-the merge: an ordered
-``jax.experimental.io_callback`` runs mpitree's guarded step on the host (the
-agreement collective, then the shared merger's one ``MPI_Allreduce`` with the
-native op), exactly once per call and in program order on every rank. Its
+accumulation, no repeated K/V). The merge is a second custom call with an
+ordered effect (XLA tokens, as mpi4jax orders its collectives): it runs
+mpitree's guarded step on the records in place (the agreement collective, then
+the shared merger's one ``MPI_Allreduce`` with the native op), exactly once
+per call and in program order on every rank. Its
 gradient (``jax.custom_vjp``) needs the merged log-sum-exp, which the forward
 keeps, and one more collective: the query's gradient is the sum over every
 rank's keys, merged the same guarded way; the keys' and values' gradients stay
@@ -22,13 +22,13 @@ the bad rank's own ``TypeError``/``ValueError``, :class:`mpitree.RankError`
 elsewhere. Inside ``jax.jit`` JAX reports the same exception as a
 ``jax.errors.JaxRuntimeError`` (a ``RuntimeError``) whose message ends with it.
 
-The merge callbacks run on the thread XLA executes the program on: do not run
+The merge calls run on the thread XLA executes the program on: do not run
 other collectives on the same communicator from another thread while a
 dispatched step is in flight (``block_until_ready()`` it first).
 
-Under ``jax.vmap`` (an ordered callback has no batching rule of its own) the
+Under ``jax.vmap`` (the merge call has no batching rule of its own) the
 merge is a ``jax.custom_batching.custom_vmap`` function: the mapped axis is
-folded into the records' rows, merged by one callback, and unfolded, so a
+folded into the records' rows, merged by one call, and unfolded, so a
 vmapped call is still one agreement and one merge on every rank. The folded
 axis sizes are agreed on: a rank that vmaps differently, or not at all, makes
 every rank raise. :func:`free_energy` is the sharded log-partition function,
@@ -51,7 +51,6 @@ from ._hint import missing
 try:
     import jax
     import jax.numpy as jnp
-    from jax.experimental import io_callback
 except ImportError as exc:  # pragma: no cover - exercised only without JAX
     raise missing("mpitree.adapters.jax", "jax", exc) from exc
 
@@ -124,35 +123,33 @@ def _traced(*xs):
 
 
 def _collective(step, phase, records, flag, context):
-    """Run :func:`_host_step`: as an ordered callback when traced, else directly.
+    """Run :func:`_host_step` through the ordered merge call (:func:`_jax_ffi.merge`).
 
-    Directly, after the ordered effects already dispatched (an earlier jitted
-    step's merge) have run: the collectives keep program order on every rank.
-    ``context`` are the call's inputs (under ``jax.vmap``: whether it is mapped).
+    Traced, in the program (see :func:`_merge_in_program`); eagerly, at once,
+    after the merges already dispatched (an earlier jitted step's) have run:
+    the collectives keep program order on every rank. ``context`` are the
+    call's inputs (under ``jax.vmap``: whether it is mapped).
     """
     if _traced(records, flag, context):
         return _merge_in_program(step, phase, records, flag, context)
-    jax.effects_barrier()
-    return jnp.asarray(_host_step(step, phase, np.asarray(records), np.asarray(flag)))
+    return _jax_ffi.merge(functools.partial(_host_step, step, phase), records, flag)
 
 
 def _merge_in_program(step, phase, records, flag, context):
-    """Merge ``records`` through one ordered callback; under ``jax.vmap``, still one.
+    """Merge ``records`` through one ordered merge call; under ``jax.vmap``, still one.
 
-    An ordered callback cannot be batched, and a collective must run once per
+    The merge call has no batching rule, and a collective must run once per
     call on every rank whatever the batch: when any of the call's inputs
     (``context``, only looked at by ``jax.vmap``) or its records are mapped, the
     mapped axis is folded into the records' leading axis (the merge is row by
     row; records that do not depend on it, an empty shard's, are broadcast),
-    merged by one callback whose step agrees on the folded sizes (a rank that
+    merged by one call whose step agrees on the folded sizes (a rank that
     vmaps differently, or not at all, disagrees: every rank raises), and unfolded.
     """
 
     @jax.custom_batching.custom_vmap
     def merge(records, flag, context):
-        shape = jax.ShapeDtypeStruct(records.shape, records.dtype)
-        host = functools.partial(_host_step, step, phase)
-        return io_callback(host, shape, records, flag, ordered=True)
+        return _jax_ffi.merge(functools.partial(_host_step, step, phase), records, flag)
 
     @merge.def_vmap
     def _fold(size, batched, records, flag, context):
