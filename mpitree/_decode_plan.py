@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,8 @@ from ._state import finish
 from ._step import KernelSlot, local_attention, validated
 
 FAST_PATH = True  # plans skip re-validating an unchanged layout (False: benchmarks, tests)
+_full_blocks = 0  # open extend.full_checks blocks: FAST_PATH is (_full_blocks == 0)
+_full_lock = threading.Lock()
 
 
 class DecodePlan:
@@ -311,10 +314,11 @@ class full_checks:
 
     A plan normally skips re-validating a step whose layout is unchanged (its
     fast path). For benchmarks and tests, this turns the fast path off in this
-    process while the block runs, so a step costs what it costs without it; the
-    results are the same. Leaving the block restores what was in force before
-    (blocks nest). Cheap to enter, so a benchmark may wrap single steps. Not
-    thread-safe.
+    process while any block is open, so a step costs what it costs without it;
+    the results are the same. The fast path comes back when the last open block
+    ends, in whatever order blocks end (nested, the same instance re-entered, a
+    generator's block closed inside a later one, another thread's). Cheap to
+    enter, so a benchmark may wrap single steps.
 
     Examples
     --------
@@ -322,13 +326,19 @@ class full_checks:
     ...     plan.decode(q, k, v)                      # re-validated
     """
 
-    __slots__ = ("_before",)
+    __slots__ = ()
 
     def __enter__(self):
-        global FAST_PATH
-        self._before, FAST_PATH = FAST_PATH, False
+        global FAST_PATH, _full_blocks
+        with _full_lock:
+            _full_blocks += 1
+            FAST_PATH = False
 
     def __exit__(self, *exc):
-        global FAST_PATH
-        FAST_PATH = self._before
+        global FAST_PATH, _full_blocks
+        with _full_lock:
+            if _full_blocks == 0:
+                raise RuntimeError("mpitree: a full_checks block left more often than entered")
+            _full_blocks -= 1
+            FAST_PATH = _full_blocks == 0
         return False

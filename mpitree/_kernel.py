@@ -146,7 +146,22 @@ class Prepared:
     step (only the shard length ``T`` may grow): this holds the argument struct,
     the scratch and the bound function, so a step only sets ``T``, the lengths
     pointer and the data pointers. Built only for host float32 numpy arrays with
-    whole-element strides and a C-contiguous ``q``; None otherwise (see :meth:`of`).
+    whole-element strides and a C-contiguous ``q``; None otherwise (see :meth:`of`,
+    the way to build one). :meth:`run` and :meth:`run_raw` check nothing.
+
+    Parameters
+    ----------
+    lib : ctypes.CDLL
+        The compiled library whose ``mpitree_attend_f32`` runs.
+    q : numpy.ndarray
+        float32 ``(B, Hq, Sq, D)``: the bound shape.
+    k, v : numpy.ndarray
+        float32 ``(B, Hkv, T, D)``: ``Hkv`` divides ``Hq``.
+    scale : float
+        The score scale.
+    ks, vs : tuple of int
+        K's and V's ``(batch, head, key)`` strides in elements (unit stride
+        along ``D``), as every later step's K and V must have them.
     """
 
     __slots__ = (
@@ -213,15 +228,51 @@ class Prepared:
         return cls(lib, q, k, v, scale, ks, vs)
 
     def run_raw(self, q, k, v, t, out):
-        """Run on the data addresses ``q``, ``k``, ``v``, ``out`` of the bound layout, T = t."""
+        """Run the kernel on raw data addresses of the bound layout, with ``T = t``.
+
+        Unchecked: nothing about the memory behind the addresses is verified. A
+        wrong address, a buffer too small or a layout other than the bound one
+        reads or writes out of bounds (a crash or silent corruption, not an
+        exception). For benchmarks timing the bare C call.
+
+        Parameters
+        ----------
+        q : int
+            Address of float32 ``(B, Hq, Sq, D)`` queries, C order.
+        k, v : int
+            Addresses of float32 K and V ``(B, Hkv, T, D)`` with the strides
+            this was built for (``ks``, ``vs``), holding at least ``t`` keys.
+        t : int
+            The shard length ``T`` (keys per row), ``t >= 0``.
+        out : int
+            Address of the float32 ``(B * Hq * Sq, D + 2)`` records, C order.
+        """
         self.args.t = t
         self.args.lens = None
         self._fn(self._ref, q, k, v, out, self._sp)
 
     def run(self, q, k, v, lens, out):
-        """Write the records of q over (k, v) into ``out`` (float32, C-contiguous).
+        """Write the records of ``q`` over ``(k, v)`` into ``out``.
 
-        ``lens`` is None or an int64 ``(B,)`` array already range-checked.
+        Unchecked: the caller has validated the arrays (shapes, dtype, strides
+        as when built, ``lens`` in range); nothing is checked here, and other
+        arrays read or write out of bounds (a crash or silent corruption, not an
+        exception). :meth:`of` and the plan's kernel slot are the checked way
+        in.
+
+        Parameters
+        ----------
+        q : numpy.ndarray
+            float32 ``(B, Hq, Sq, D)``, C-contiguous, the bound shape.
+        k, v : numpy.ndarray
+            float32 ``(B, Hkv, T, D)``, the strides this was built for; ``T``
+            may differ from the build's.
+        lens : numpy.ndarray or None
+            int64 ``(B,)`` valid keys per batch row, each in ``[0, T]``; None
+            for all ``T``.
+        out : numpy.ndarray
+            float32 ``(B * Hq * Sq, D + 2)`` records (any shape of that size),
+            C-contiguous; written, one record ``(m, n, d...)`` per query row.
         """
         if k is not self._k:  # a cache is usually the same array step after step
             self._k, self._kp = k, k.ctypes.data
@@ -304,7 +355,7 @@ def read_seconds(x):
     Parameters
     ----------
     x : numpy.ndarray
-        C-contiguous float32, any shape.
+        C-contiguous float32, any shape (an ``np.ndarray`` itself, not a subclass).
 
     Returns
     -------
@@ -313,9 +364,18 @@ def read_seconds(x):
 
     Raises
     ------
+    TypeError
+        If ``x`` is not a float32 ``numpy.ndarray``.
+    ValueError
+        If ``x`` is not C-contiguous.
     RuntimeError
         Without the compiled library.
     """
+    if type(x) is not np.ndarray or x.dtype != np.float32:
+        what = type(x).__name__ if type(x) is not np.ndarray else f"{x.dtype} array"
+        raise TypeError(f"mpitree: read_seconds takes a float32 numpy array, not {what}")
+    if not x.flags.c_contiguous:
+        raise ValueError("mpitree: read_seconds takes a C-contiguous array")
     lib = _lib()
     if lib is None:
         raise RuntimeError("mpitree: the native library is not built")

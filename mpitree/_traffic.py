@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+import threading
 import time
 from collections import defaultdict
 
@@ -15,6 +16,13 @@ class Traffic:
     Counts what each strategy hands to MPI (the all-reduce buffer, the all-gather
     send buffer, every ring message), not what the MPI library's own algorithm
     then moves on the wire, which MPI does not report.
+
+    Attributes
+    ----------
+    bytes : int
+        Payload bytes handed to MPI since the last :meth:`reset`.
+    calls : int
+        MPI calls counted since the last :meth:`reset`.
     """
 
     __slots__ = ("bytes", "calls")
@@ -32,35 +40,56 @@ class Traffic:
         """Zero the counts."""
         self.bytes = self.calls = 0
 
+    def __repr__(self):
+        return f"Traffic(bytes={self.bytes}, calls={self.calls})"
+
 
 traffic = Traffic()
 
-# (module, owner of the callable or "" for a module function, attribute, phase)
+# (module, owner of the callable or "" for a module function, attribute, phase); a module
+# function is timed under each name a caller reaches it by (modules bind ``agree`` at import)
 _POINTS = (
     ("mpitree._agreed", "", "agree", "agreement"),
+    ("mpitree._decode_plan", "", "agree", "agreement"),  # a validating plan's step
+    ("mpitree.extend", "", "agree", "agreement"),  # the adapters' agreements
     ("mpitree._merger", "Merger", "merge", "merge"),
+    ("mpitree._invariant_merger", "InvariantMerger", "merge", "merge"),
     ("mpitree._local", "", "attend_native", "kernel"),
     ("mpitree._kernel", "Prepared", "run", "kernel"),
     ("mpitree._kernel", "Prepared", "run_raw", "kernel"),
     ("mpitree._kernel", "BoundLayer", "fill", "kernel"),
     ("mpitree.adapters.transformers._attention", "LayerStep", "fill", "local"),
 )
+PHASES = ("agreement", "merge", "collective", "kernel", "local")
+
+_lock = threading.Lock()  # guards the three below
+_open = []  # the times dict of each open block, in the order they opened
+_dicts = ()  # the distinct dicts of the open blocks: what a timed call appends to
+_saved = []  # (owner, attribute, original) of every wrapper on, while a block is open
+_depth = threading.local()  # per thread: the phases being timed now
 
 
-def _timed(fn, phase, times, depth):
-    """Wrap ``fn``: an outermost call of ``phase`` appends its seconds to ``times[phase]``."""
+def _timed(fn, phase):
+    """Wrap ``fn``: an outermost call of ``phase`` appends its seconds to every open block."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if depth[phase]:
+        depth = _depth.__dict__
+        if depth.get(phase):
             return fn(*args, **kwargs)
-        depth[phase] = 1
+        depth[phase] = True
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            times.setdefault(phase, []).append(time.perf_counter() - start)
-            depth[phase] = 0
+            took = time.perf_counter() - start
+            depth[phase] = False
+            for times in _dicts:  # dicts, checked on entry: nothing here raises
+                got = times.get(phase)
+                if type(got) is list:
+                    got.append(took)
+                else:
+                    times[phase] = [took]
 
     return wrapper
 
@@ -78,35 +107,62 @@ def _targets():
             yield cls, "reduce", "collective"
 
 
+def _restore():
+    """Put every wrapped callable back (under ``_lock``)."""
+    while _saved:
+        owner, attr, fn = _saved.pop()
+        setattr(owner, attr, fn)
+
+
 def phase_times(times=None):
     """Time the phases of mpitree calls made inside a ``with`` block (local, for benchmarks).
 
-    While the block runs, each outermost call of a phase appends its duration in
-    seconds to ``times[phase]``; a phase called inside itself counts once. The
-    phases:
+    While a block is open, each outermost call of a phase appends its duration
+    in seconds to ``times[phase]``; a phase called inside itself counts once.
+    The phases:
 
-    - ``"agreement"``: a call's one agreement (its local checks and collective);
-    - ``"merge"``: a merger's merge (local work, collective and bookkeeping);
-    - ``"collective"``: the merge strategy's collective with its failure flag;
+    - ``"agreement"``: a call's one agreement (its local checks and collective),
+      a validating plan step's included, and an adapter's ``extend.agree``;
+    - ``"merge"``: a merger's merge (local work, collective and bookkeeping),
+      the ``deterministic="invariant"`` merger's included;
+    - ``"collective"``: the merge strategy's collective with its failure flag
+      (the invariant merger's collective counts in its ``"merge"`` only);
     - ``"kernel"``: the compiled local-attention kernel, its ctypes call included;
     - ``"local"``: a transformers layer's checked local step (when that adapter
-      is imported before the block starts).
+      is imported before the first open block starts).
 
-    The timers are put on when the block starts and taken off when it ends:
-    outside a block, mpitree runs exactly the code it runs without this hook, so
-    it costs nothing when unused. Inside, each timed call costs about a
-    microsecond more. Not thread-safe: use it around single-threaded loops.
+    Not timed: the sharded-prefill collectives (``allgather_rows``,
+    ``reduce_scatter_records``), a ``flagged_allreduce`` outside a merger,
+    numpy's local attention (no compiled kernel), and any of these reached
+    through a name bound before the block started (``from mpitree.extend import
+    agree`` in user code: use ``extend.agree``).
+
+    The timers are put on when the first open block starts and taken off when
+    the last one ends, in whatever order blocks end (a generator's block closed
+    inside a later one, another thread's): outside every block, mpitree runs
+    exactly the code it runs without this hook, so it costs nothing when unused.
+    Inside, each timed call costs about a microsecond more. Blocks nest and may
+    overlap: a timed call appends to every open block's dict once. Calls from
+    every thread are timed; each thread's phases are counted on their own.
 
     Parameters
     ----------
     times : dict of str to list of float, optional
-        Where to append; a new ``collections.defaultdict(list)`` if omitted. Other
-        keys in it are left alone.
+        Where to append; a new ``collections.defaultdict(list)`` if omitted.
+        Checked here, before any timer is on (``TypeError``): a dict whose
+        values for the phase names, where present, are lists. Other keys are
+        left alone.
 
     Returns
     -------
     context manager
-        Entering it puts the timers on and gives ``times``; leaving it takes them off.
+        Entering it puts the timers on (if no block is open) and gives
+        ``times``; leaving it takes them off (if no other block is open).
+
+    Raises
+    ------
+    TypeError
+        If ``times`` is not a dict of lists.
 
     Examples
     --------
@@ -121,20 +177,52 @@ def phase_times(times=None):
 class _PhaseTimes:
     """The context manager of :func:`phase_times`."""
 
+    __slots__ = ("times",)
+
     def __init__(self, times=None):
-        self.times = defaultdict(list) if times is None else times
-        self._saved = []
+        if times is None:
+            times = defaultdict(list)
+        elif not isinstance(times, dict):
+            raise TypeError(f"mpitree: phase_times takes a dict, not {type(times).__name__}")
+        bad = [p for p in PHASES if p in times and type(times[p]) is not list]
+        if bad:
+            raise TypeError(f"mpitree: phase_times needs lists at times{bad}")
+        self.times = times
 
     def __enter__(self):
-        depth = defaultdict(int)
-        for owner, attr, phase in _targets():
-            fn = getattr(owner, attr)
-            self._saved.append((owner, attr, fn))
-            setattr(owner, attr, _timed(fn, phase, self.times, depth))
+        global _dicts
+        with _lock:
+            if not _open:
+                try:
+                    for owner, attr, phase in _targets():
+                        fn = vars(owner)[attr]
+                        _saved.append((owner, attr, fn))
+                        setattr(owner, attr, _timed(fn, phase))
+                except BaseException:
+                    _restore()
+                    raise
+            _open.append(self.times)
+            _dicts = _distinct(_open)
         return self.times
 
     def __exit__(self, *exc):
-        while self._saved:
-            owner, attr, fn = self._saved.pop()
-            setattr(owner, attr, fn)
+        global _dicts
+        with _lock:
+            for i, times in enumerate(_open):
+                if times is self.times:
+                    del _open[i]
+                    break
+            else:
+                raise RuntimeError("mpitree: a phase_times block left more often than entered")
+            _dicts = _distinct(_open)
+            if not _open:
+                _restore()
         return False
+
+
+def _distinct(dicts):
+    """Return ``dicts`` without repeats (by identity), as a tuple."""
+    seen = {}
+    for times in dicts:
+        seen.setdefault(id(times), times)
+    return tuple(seen.values())

@@ -72,10 +72,16 @@ from ._strategies import op_needed, resolve
 from ._traffic import phase_times
 from ._traffic import traffic as _traffic
 
-#: This rank's running count of the payload bytes mpitree's merges hand to MPI
-#: (``traffic.bytes``, ``traffic.calls``; ``traffic.reset()`` zeroes both): what
-#: each strategy passes to its MPI calls, not what the MPI library then moves on
-#: the wire. Always on, local; for benchmarks and tools.
+#: This rank's running count of the payload bytes mpitree's merges hand to MPI,
+#: one object for the process: ``traffic.bytes`` (int, bytes) and
+#: ``traffic.calls`` (int, MPI calls) since ``traffic.reset()`` zeroed both.
+#: What each strategy passes to its MPI calls (the all-reduce buffer, the
+#: all-gather send buffer, every ring message), not what the MPI library then
+#: moves on the wire. Always on, local; for benchmarks and tools::
+#:
+#:     extend.traffic.reset()
+#:     plan.decode(q, k, v)
+#:     per_step = extend.traffic.bytes
 traffic = _traffic
 
 __all__ = [

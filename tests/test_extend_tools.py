@@ -1,12 +1,14 @@
 """The measuring names of mpitree.extend: phase timers, traffic, the kernel, a plan's merger."""
 
 import ctypes
+import sys
+import threading
 
 import numpy as np
 import pytest
 
 import mpitree
-from mpitree import _decode_plan, _kernel, _local, _merger, extend
+from mpitree import _decode_plan, _guard, _invariant_merger, _traffic, extend
 from mpitree._library import library_path
 
 SHAPE = (1, 4, 2, 16)  # B, Hq, Hkv, D
@@ -28,14 +30,8 @@ def reference(q, k, v):
 
 
 def originals():
-    """Return the callables phase_times may wrap, to check they come back unchanged."""
-    return (
-        _merger.Merger.merge,
-        _local.attend_native,
-        _kernel.Prepared.run,
-        _kernel.Prepared.run_raw,
-        _kernel.BoundLayer.fill,
-    )
+    """Return every callable phase_times may wrap, read from its owner's own namespace."""
+    return {(id(o), a): vars(o)[a] for o, a, _ in _traffic._targets()}
 
 
 def test_phase_times_times_each_phase_and_leaves_nothing_behind():
@@ -102,12 +98,23 @@ def test_prepared_runs_this_build_or_another():
     out = np.empty_like(want)
     extend.Prepared.of(q, k, v, SHAPE[3] ** -0.5).run(q, k, v, None, out)
     np.testing.assert_array_equal(out, want)
-    lib = ctypes.CDLL(library_path())  # "another build", declared as a benchmark does
-    lib.mpitree_attend_f32.argtypes = [ctypes.c_void_p] * 6
-    lib.mpitree_attend_scratch.restype = ctypes.c_int64
-    lib.mpitree_attend_scratch.argtypes = [ctypes.c_int64] * 2
+    real = ctypes.CDLL(library_path())  # "another build", declared as a benchmark does
+    real.mpitree_attend_f32.argtypes = [ctypes.c_void_p] * 6
+    real.mpitree_attend_scratch.restype = ctypes.c_int64
+    real.mpitree_attend_scratch.argtypes = [ctypes.c_int64] * 2
+    used = []
+
+    class Other:  # another build: the same functions, seen being called
+        def mpitree_attend_scratch(self, *a):
+            return real.mpitree_attend_scratch(*a)
+
+        def mpitree_attend_f32(self, *a):
+            used.append(1)
+            return real.mpitree_attend_f32(*a)
+
     other = np.empty_like(want)
-    extend.Prepared.of(q, k, v, SHAPE[3] ** -0.5, lib=lib).run(q, k, v, None, other)
+    extend.Prepared.of(q, k, v, SHAPE[3] ** -0.5, lib=Other()).run(q, k, v, None, other)
+    assert used == [1]
     np.testing.assert_array_equal(other, want)
     assert extend.Prepared.of(q.astype(np.float64), k, v, 1.0) is None
 
@@ -120,3 +127,180 @@ def test_kernel_isa_read_seconds_and_traffic():
     assert traffic.bytes >= 24 and traffic.calls >= 1
     traffic.reset()
     assert (traffic.bytes, traffic.calls) == (0, 0)
+
+
+def test_read_seconds_refuses_what_it_cannot_stream():
+    x = np.ones((64, 64), np.float32)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        extend.read_seconds(x[:, ::2])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        extend.read_seconds(x.T)
+    with pytest.raises(TypeError, match="float32"):
+        extend.read_seconds(x.astype(np.float64))
+    with pytest.raises(TypeError, match="float32"):
+        extend.read_seconds([1.0, 2.0])
+    with pytest.raises(TypeError, match="float32"):
+        extend.read_seconds(np.ma.masked_array(x))
+
+
+def test_phase_times_restores_everything_after_an_exception():
+    before = originals()
+    q, k, v = arrays()
+    with pytest.raises(ZeroDivisionError):
+        with extend.phase_times():
+            mpitree.tree_decode(q, k, v)
+            raise ZeroDivisionError
+    assert originals() == before
+
+
+def test_phase_times_restores_when_blocks_close_out_of_order():
+    before = originals()
+
+    def timed_steps():  # a generator holding a block open
+        with extend.phase_times() as t:
+            yield t
+
+    gen = timed_steps()
+    outer = next(gen)
+    q, k, v = arrays()
+    with extend.phase_times() as inner:
+        gen.close()  # the first block ends first: the timers stay on for this one
+        assert originals() != before
+        mpitree.tree_decode(q, k, v)
+    assert originals() == before
+    assert len(inner["kernel"]) == 1 and "kernel" not in outer
+    mpitree.tree_decode(q, k, v)
+    assert len(inner["kernel"]) == 1  # nothing timed after the last block
+
+
+def test_phase_times_blocks_of_two_threads_ending_in_either_order():
+    before = originals()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with extend.phase_times(), extend.full_checks():
+            a_in.set()
+            b_in.wait(30)
+        a_out.set()
+
+    def second():
+        a_in.wait(30)
+        with extend.phase_times(), extend.full_checks():
+            b_in.set()
+            a_out.wait(30)
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert a_out.is_set() and not any(t.is_alive() for t in threads)
+    assert originals() == before and _decode_plan.FAST_PATH is True
+
+
+def test_phase_times_same_block_reentered_counts_once_and_stays_on():
+    before = originals()
+    q, k, v = arrays()
+    block = extend.phase_times()
+    with block as times:
+        with block:
+            with block:
+                mpitree.tree_decode(q, k, v)  # three entries of one dict: counted once
+            mpitree.tree_decode(q, k, v)
+        assert originals() != before  # the outer entry is still open
+        mpitree.tree_decode(q, k, v)
+    assert originals() == before
+    assert len(times["kernel"]) == 3 and len(times["agreement"]) == 3
+
+
+def test_phase_times_enter_failing_midway_restores_what_it_wrapped(monkeypatch):
+    before = originals()
+    monkeypatch.setitem(sys.modules, "mpitree.adapters.transformers._attention", None)
+    with pytest.raises(ImportError):
+        with extend.phase_times():
+            pass
+    monkeypatch.undo()
+    assert originals() == before
+    with extend.phase_times():  # and the next block works
+        assert originals() != before
+    assert originals() == before
+
+
+@pytest.mark.parametrize(
+    "times",
+    [[], {"agreement": ()}, {"merge": None}, {"kernel": 1.0}],
+    ids=["list", "tuple", "none", "float"],
+)
+def test_phase_times_refuses_a_bad_dict_before_any_timer_is_on(times):
+    before = originals()
+    with pytest.raises(TypeError, match="phase_times"):
+        extend.phase_times(times)
+    assert originals() == before
+
+
+def test_phase_times_counts_a_validating_plans_agreement():
+    q, k, v = arrays()
+    with mpitree.DecodePlan(*SHAPE, validate=True) as plan:
+        with extend.phase_times() as times:
+            plan.decode(q, k, v)
+    assert len(times["agreement"]) == 1
+
+
+def test_phase_times_counts_an_adapters_extend_agree(monkeypatch):
+    monkeypatch.setattr(_guard, "ENTRY_POINTS", {})  # the catalogue's registry stays as it was
+
+    @extend.entry_point
+    def my_call():
+        return extend.agree(extend.check_comm(None), lambda: extend.Call({"rows": 4}))
+
+    with extend.phase_times() as times:
+        my_call()
+    assert len(times["agreement"]) == 1
+
+
+def test_phase_times_counts_the_invariant_merge():
+    q, k, v = arrays()
+    before = vars(_invariant_merger.InvariantMerger)["merge"]
+    with mpitree.DecodePlan(*SHAPE, deterministic="invariant") as plan:
+        with extend.phase_times() as times:
+            out = plan.decode(q, k, v, kv_start=0)
+    assert len(times["merge"]) == 1 and len(times["kernel"]) >= 1
+    assert vars(_invariant_merger.InvariantMerger)["merge"] is before
+    np.testing.assert_allclose(out, reference(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_full_checks_takes_the_full_path(monkeypatch):
+    q, k, v = arrays()
+    calls = []
+    real = _decode_plan.DecodePlan._step
+    monkeypatch.setattr(
+        _decode_plan.DecodePlan, "_step", lambda s, a: calls.append(1) or real(s, a)
+    )
+    with mpitree.DecodePlan(*SHAPE) as plan:
+        plan.decode(q, k, v)  # binds the kernel
+        calls.clear()
+        plan.decode(q, k, v)
+        assert calls == []  # the fast path
+        with extend.full_checks():
+            plan.decode(q, k, v)
+        assert calls == [1]
+
+
+def test_full_checks_same_instance_and_out_of_order():
+    checks = extend.full_checks()
+    with checks:
+        with checks:
+            pass
+        assert _decode_plan.FAST_PATH is False
+    assert _decode_plan.FAST_PATH is True
+
+    def checked():
+        with extend.full_checks():
+            yield
+
+    gen = checked()
+    next(gen)
+    with extend.full_checks():
+        gen.close()
+        assert _decode_plan.FAST_PATH is False
+    assert _decode_plan.FAST_PATH is True
