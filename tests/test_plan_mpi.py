@@ -71,7 +71,7 @@ def test_allreduce_state(strategy, dtype):
 @pytest.mark.parametrize("strategy", ["allreduce", "ring"])
 def test_plan_fast_path_matches_full_checks_and_revalidates(strategy):
     """Repeated steps skip re-validation; a changed layout or bad kv_len is still caught."""
-    from mpitree import _decode_plan
+    from mpitree import extend
 
     comm = world()
     rng = np.random.default_rng([5, comm.rank])
@@ -85,11 +85,8 @@ def test_plan_fast_path_matches_full_checks_and_revalidates(strategy):
             k, v = k_all[:, :, :t], v_all[:, :, :t]
             fast = plan.decode(q, k, v, kv_len=kv_len)
             assert plan._kernel._layout is not None or strategy == "ring"
-            _decode_plan.FAST_PATH = False
-            try:
+            with extend.full_checks():
                 full = plan.decode(q, k, v, kv_len=kv_len)
-            finally:
-                _decode_plan.FAST_PATH = True
             assert np.array_equal(fast, full)
             assert np.array_equal(
                 full, mpitree.tree_decode(q, k, v, kv_len=kv_len, strategy=strategy)
