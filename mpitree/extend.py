@@ -77,11 +77,8 @@ from ._traffic import traffic as _traffic
 #: ``traffic.calls`` (int, MPI calls) since ``traffic.reset()`` zeroed both.
 #: What each strategy passes to its MPI calls (the all-reduce buffer, the
 #: all-gather send buffer, every ring message), not what the MPI library then
-#: moves on the wire. Always on, local; for benchmarks and tools::
-#:
-#:     extend.traffic.reset()
-#:     plan.decode(q, k, v)
-#:     per_step = extend.traffic.bytes
+#: moves on the wire. Always on, local; for benchmarks and tools: a step's bytes are
+#: ``extend.traffic.bytes`` after ``extend.traffic.reset()`` and the step.
 traffic = _traffic
 
 __all__ = [
