@@ -9,8 +9,8 @@ warm-up (the order rotates from one iteration to the next):
   float32, the agreement, the native-op merge, the output);
 - ``core plan``: ``DecodePlan.decode`` (agreement paid once);
 - ``jax jit``: ``jax.jit`` of ``mpitree.adapters.jax.tree_decode`` (float32: the
-  C kernel's XLA FFI custom call on K/V in place; then the ordered host
-  callback: agreement and merge);
+  C kernel's XLA FFI custom call on K/V in place; then the ordered merge call:
+  agreement and merge);
 - ``jax jit, XLA local``: the same with ``MPITREE_JAX_LOCAL=xla`` when traced
   (XLA's local attention, the adapter's path before the custom call);
 - ``jax jit, local only``: XLA's local attention alone, no merge;
@@ -22,6 +22,10 @@ warm-up (the order rotates from one iteration to the next):
   rescaled ``[d, n]``).
 
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/jax_decode.py --keys 32768
+
+XLA's buffers get transparent huge pages only with
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the ranks' environment (numpy's
+always do): without it the jitted kernel reads K/V on 4 KiB pages (docs/jax.md).
 """
 
 from __future__ import annotations
