@@ -10,20 +10,22 @@ viewed here as numpy arrays without a copy (a ``jax.pure_callback`` or
   a kernel error is kept (:func:`failure`) and the call's second result, a
   flag, carries it into the merge's agreement, so every rank raises (an XLA
   error on one rank would leave the others waiting in the merge).
-- :func:`merge`, the collective: a primitive with an ordered effect (threaded
-  through XLA tokens, as mpi4jax orders its collectives), so every rank runs
-  its merges exactly once per call and in program order. Its handler runs the
+- :func:`merge`, the collective: a primitive with JAX's ordered-callback effect
+  (threaded through XLA tokens, as mpi4jax orders its collectives, and shared
+  with ordered ``io_callback``s), so every rank runs its merges exactly once per
+  call and in program order. Its handler runs the
   adapter's guarded host step (the agreement, then one ``MPI_Allreduce`` with
   the native op) on the records in place and writes the merged records into
   the result buffer; the step's exception becomes the call's XLA error.
 
-The ordered effect uses JAX's internal effects API (``jax._src.effects``, as
-mpi4jax does), checked with JAX 0.10. Importing this module imports JAX.
+The primitive uses JAX internals (``jax._src``, as mpi4jax does), checked with
+JAX 0.10; CPU only, one device per rank. Importing this module imports JAX.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +34,7 @@ import numpy as np
 from mpitree import extend
 
 try:  # the ordered effect of the merge: JAX internals (as mpi4jax uses them)
-    from jax._src import effects
+    from jax._src.callback import _OrderedIOEffect
     from jax._src.core import ShapedArray, abstract_token
     from jax.extend.core import Primitive
     from jax.interpreters import mlir
@@ -265,13 +267,11 @@ def _merge_handler(address):
     return None
 
 
-class _MergeEffect(effects.Effect):
-    """The merge's ordered effect: merges run once per call, in program order, on every rank."""
-
-
-_EFFECT = _MergeEffect()
-for _kind in ("lowerable", "ordered", "control_flow_allowed", "custom_derivatives_allowed"):
-    getattr(effects, f"{_kind}_effects").add_type(_MergeEffect)
+# The merge's ordered effect is JAX's own ordered-callback effect: merges share one token
+# chain with ordered io_callbacks and debug prints, so a user's own MPI calls in an ordered
+# callback keep their place among the merges (a separate effect would be a separate chain).
+_EFFECT = _OrderedIOEffect
+_lock = threading.Lock()  # one key per lowered merge, whatever thread lowers
 
 _merge_p = Primitive("mpitree_merge")
 _merge_p.def_effectful_abstract_eval(
@@ -286,6 +286,15 @@ def _merge_now(records, flag, *, host):
     return jnp.asarray(host(np.asarray(records), np.asarray(flag)))
 
 
+def _devices(axis_context):
+    """How many devices a lowering's program runs on (its axis context's)."""
+    count = getattr(axis_context, "num_devices", None)
+    if count is None:
+        mesh = getattr(axis_context, "mesh", None)
+        count = 1 if mesh is None else mesh.size
+    return count
+
+
 def _lower_merge(ctx, records, flag, *, host):
     """Lower a merge to the custom call, its token in and out, ``host`` kept by a key operand.
 
@@ -296,9 +305,16 @@ def _lower_merge(ctx, records, flag, *, host):
     JAX keeps such a program out of its persistent compilation cache (``key``
     means nothing in another process).
     """
-    _hosts.append(host)
+    devices = _devices(ctx.module_context.axis_context)
+    if devices > 1:
+        raise ValueError(
+            f"mpitree.adapters.jax runs on one device per rank; this program spans {devices} "
+            "devices: put its inputs on one device"
+        )
+    with _lock:
+        key = mlir.ir_constant(np.int32(len(_hosts)))
+        _hosts.append(host)
     ctx.module_context.add_host_callback(host)
-    key = mlir.ir_constant(np.int32(len(_hosts) - 1))
     call = ctx.replace(
         avals_in=(*ctx.avals_in, ShapedArray((), np.int32), abstract_token),
         avals_out=(*ctx.avals_out, abstract_token),

@@ -240,7 +240,7 @@ def _grouped_keep(p, t, lens, vis):
     """Visibility in GQA-grouped layout ``(B, Hkv, G*Sq, T)`` (or broadcastable), or None."""
     keep = vis
     if lens is not None:
-        inside = (jnp.arange(t)[None, :] < lens[:, None])[:, None, None, :]
+        inside = (jnp.arange(t, dtype=lens.dtype)[None, :] < lens[:, None])[:, None, None, :]
         keep = inside if keep is None else keep & inside
     if keep is None:
         return None
@@ -387,7 +387,8 @@ def _failed(step, traced):
     if not traced:
         _collective(step, "forward", jnp.zeros((1, 3), jnp.float32), flag, ())
         raise step.error  # pragma: no cover - the agreement raised on every rank
-    records = _collective(step, "forward", jnp.zeros((1, 3), jnp.float32) + flag, flag, ())
+    placeholder = jnp.zeros((1, 3), jnp.float32) + flag.astype(jnp.float32)
+    records = _collective(step, "forward", placeholder, flag, ())
     return records, records[..., 0]
 
 
@@ -415,7 +416,12 @@ def _attend(comm, inputs, prepare, masking, strategy):
     flag = jnp.zeros((), jnp.int32)
     if lens is not None:
         flag = jnp.any((lens < 0) | (lens > t)).astype(jnp.int32)
-    return _decode(step, q, k, v, (lens, vis, flag))
+    if not _traced(q, k, v, lens, vis):
+        return _decode(step, q, k, v, (lens, vis, flag))
+    try:  # a trace abandoned on one rank (say, its dtype promotion) must not strand the others
+        return _decode(step, q, k, v, (lens, vis, flag))
+    except Exception as exc:  # its verdict rides in the agreement when the program runs
+        return _failed(_Step(comm, error=exc), True)
 
 
 def _as_jax(*xs):

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import make_problem, world
+from mpitree.adapters import _jax_ffi
 from mpitree.adapters import jax as mj
 from numpy.testing import assert_allclose
 
@@ -114,3 +115,42 @@ def test_failure_inside_scan_raises_on_every_rank_then_steps_work():
     assert_allclose(good, np.stack([ref] * 4), atol=TOL, rtol=0)
     assert_allclose(np.asarray(jax.jit(mj.tree_decode)(q, k, v)), ref, atol=TOL, rtol=0)
     assert_allclose(np.asarray(mj.tree_decode(q, k, v)), ref, atol=TOL, rtol=0)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_merges_keep_their_place_among_ordered_callbacks():
+    """A user's ordered io_callback between two decodes runs between their merges.
+
+    The merges share JAX's ordered-callback token chain: a callback making its
+    own collective (here an all-reduce on the same communicator) between two
+    merges in program order runs there on every rank. On a separate chain it
+    ran after both merges (order ['merge', 'merge', 'user']).
+    """
+    from jax.experimental import io_callback
+
+    comm = world()
+    (q, k, v), prob = shards(4)
+    seen = []
+    hosts = _jax_ffi._hosts  # the lowered merges' host steps, by key
+
+    def user(x):
+        seen.append("user")
+        return np.asarray(comm.allreduce(float(np.asarray(x).sum())), np.float32)
+
+    def program(q, k, v):
+        first = mj.tree_decode(q, k, v)
+        total = io_callback(user, jax.ShapeDtypeStruct((), jnp.float32), first, ordered=True)
+        return first, total, mj.tree_decode(q + total * 0, k, v)
+
+    compiled = jax.jit(program).lower(q, k, v).compile()
+    merges = hosts[-2:]  # the program's two merges, just lowered: note when each runs
+    hosts[-2:] = [lambda r, f, h=h: (seen.append("merge"), h(r, f))[1] for h in merges]
+    try:
+        first, total, second = jax.block_until_ready(compiled(q, k, v))
+    finally:
+        hosts[-2:] = merges
+    assert seen == ["merge", "user", "merge"], seen
+    assert_allclose(float(total), comm.size * float(np.asarray(first).sum()), rtol=1e-5)
+    ref = reference(prob, prob.q)
+    assert_allclose(np.asarray(first), ref, atol=TOL, rtol=0)
+    assert_allclose(np.asarray(second), ref, atol=TOL, rtol=0)

@@ -568,3 +568,85 @@ def test_free_energy_bad_input_raises_on_every_rank(bad):
         assert last.startswith(f"RankError: mpitree: invalid input on rank {comm.size - 1}"), last
     _, ref_lse = prob.reference()
     assert_allclose(np.asarray(mj.free_energy(q, k, v)), ref_lse, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_strict_dtype_promotion_neither_hangs_nor_fails_valid_input():
+    """Under jax_numpy_dtype_promotion="strict" (x64 on): an empty shard's path traces, and
+    bad input on one rank raises on every rank. Both hung before: a trace-time error on
+    one rank (its int64 arange against int32 lengths; its failure placeholder's int32 flag
+    added to float32) left the others waiting in the merge."""
+    comm = world()
+    prob = make_problem(1, [4, 0, 3][: comm.size], q_heads=4, kv_heads=2)
+    k, v, _ = prob.shard(comm.rank)
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (prob.q, k, v))
+    lens = jnp.full((q.shape[0],), k.shape[2], jnp.int32)
+    with jax.numpy_dtype_promotion("strict"):
+        out = jax.jit(lambda q, k, v, n: mj.tree_decode(q, k, v, kv_len=n))(q, k, v, lens)
+        assert_allclose(np.asarray(out), prob.reference()[0], atol=2e-5, rtol=0)
+        bad = q[:, :3] if comm.rank == comm.size - 1 else q
+        with pytest.raises(jax.errors.JaxRuntimeError) as info:
+            jax.jit(mj.tree_decode)(bad, k, v).block_until_ready()
+    last = str(info.value).strip().splitlines()[-1]
+    if comm.rank == comm.size - 1:
+        assert last.startswith("ValueError: q heads (3) must be a multiple"), last
+    else:
+        assert last.startswith(f"RankError: mpitree: invalid input on rank {comm.size - 1}"), last
+
+
+@pytest.mark.parallel(nprocs=[1])
+def test_a_failed_merge_leaves_the_next_program_working():
+    """A merge whose host step raises fails its program, and the next run of the same
+    program (a host that no longer raises) works: the error does not stick to the ordered
+    effect's token (without the host callback registration it did: the next run raised
+    the old error at once, and on other ranks, entering the merge, that was a hang)."""
+    state = {"fail": True}
+
+    def host(records, flag):
+        if state["fail"]:
+            raise ValueError("boom")
+        return np.asarray(records) + 1
+
+    def body(x):
+        for _ in range(20):  # big enough to be dispatched asynchronously
+            x = jnp.sin(x) @ x
+        return x
+
+    step, x = jax.jit(lambda x: _jax_ffi.merge(host, body(x), jnp.int32(0)) * 2), jnp.eye(64)
+    with pytest.raises(jax.errors.JaxRuntimeError) as info:
+        step(x).block_until_ready()
+    assert str(info.value).strip().splitlines()[-1] == "ValueError: boom"
+    state["fail"] = False
+    want = (np.asarray(jax.jit(body)(x)) + 1) * 2
+    assert_allclose(np.asarray(step(x)), want, rtol=1e-6)
+
+
+@pytest.mark.parallel(nprocs=[1])
+def test_one_device_per_rank_is_a_clear_error():
+    """A jitted decode over two local devices (inputs sharded on a mesh) raises a ValueError
+    saying one device per rank, when traced (a fresh process: the device count is fixed
+    when JAX starts)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import jax, jax.numpy as jnp\n"
+        "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n"
+        "from mpitree.adapters import jax as mj\n"
+        "mesh = Mesh(jax.devices()[:2], ('x',))\n"
+        "q = jax.device_put(jnp.ones((2, 2, 1, 4)), NamedSharding(mesh, P('x')))\n"
+        "k = jax.device_put(jnp.ones((2, 2, 3, 4)), NamedSharding(mesh, P('x')))\n"
+        "try:\n"
+        "    jax.jit(mj.tree_decode)(q, k, k)\n"
+        "except ValueError as exc:\n"
+        "    print('RAISED', exc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI"))}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "RAISED mpitree.adapters.jax runs on one device per rank; this program spans 2" in (
+        run.stdout
+    ), run.stdout + run.stderr
