@@ -2,7 +2,9 @@
 
 The same method as ``python -m mpitree bench``: the read floor streams K and V once
 with the compiled loop (``read_seconds``), the kernel is ``local_state`` (C kernel);
-both are timed interleaved, and bandwidth is K+V bytes over the median time.
+both are timed interleaved, and bandwidth is K+V bytes over the median time. Every
+build of the kernel this CPU runs is measured (``--isa`` picks some); ``--before``
+times another build of the library on the same build level in the same run.
 
     .venv/bin/python benchmarks/kernel_bw.py --tokens 65536 --steps 15 --rounds 3
 """
@@ -16,7 +18,7 @@ import time
 import numpy as np
 
 from mpitree import local_state
-from mpitree.extend import Prepared, kernel_isa, read_seconds
+from mpitree.extend import Prepared, kernel_isa, kernel_levels, read_seconds, select_kernel
 
 SHAPES = {
     "llama3-8b GQA 32/8": (32, 8, 128),
@@ -24,9 +26,10 @@ SHAPES = {
 }
 
 
-def other_build(path):
+def other_build(path, level):
     """Return a function running the kernel of another ``mpitree._native`` build (e.g. before)."""
     lib = ctypes.CDLL(path)
+    lib.mpitree_kernel_select(level)
     lib.mpitree_attend_f32.argtypes = [ctypes.c_void_p] * 6
     lib.mpitree_attend_scratch.restype = ctypes.c_int64
     lib.mpitree_attend_scratch.argtypes = [ctypes.c_int64] * 2
@@ -75,23 +78,32 @@ def main():
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--before", metavar="SO", help="another mpitree._native .so, timed too")
-    args = parser.parse_args()
-    before = other_build(args.before) if args.before else None
-    print(f"kernel ISA: {kernel_isa()}")
-    print(
-        f"{'shape':<24}{'round':>6}{'read GB/s':>11}{'kernel GB/s':>13}{'ratio':>8}"
-        f"{'before GB/s':>13}{'ratio':>8}"
+    parser.add_argument(
+        "--isa",
+        default=",".join(map(str, kernel_levels())),
+        help="comma-separated kernel builds: 4 (x86-64-v4), 3 (x86-64-v3), 1 (baseline); "
+        "default: every build this CPU runs",
     )
-    for label, (hq, hkv, dim) in SHAPES.items():
-        ratios = []
-        for r in range(args.rounds):
-            read, kern, old = measure(hq, hkv, dim, args.tokens, args.steps, before)
-            ratios.append(kern / read)
-            print(
-                f"{label:<24}{r:>6}{read:>11.1f}{kern:>13.1f}{kern / read:>8.0%}"
-                f"{old:>13.1f}{old / read:>8.0%}"
-            )
-        print(f"{label:<24}{'all':>6}  ratio {min(ratios):.0%}..{max(ratios):.0%}")
+    args = parser.parse_args()
+    for level in map(int, args.isa.split(",")):
+        select_kernel(level)
+        before = other_build(args.before, level) if args.before else None
+        print(f"kernel ISA: {kernel_isa()}")
+        print(
+            f"{'shape':<24}{'round':>6}{'read GB/s':>11}{'kernel GB/s':>13}{'ratio':>8}"
+            f"{'before GB/s':>13}{'ratio':>8}"
+        )
+        for label, (hq, hkv, dim) in SHAPES.items():
+            ratios = []
+            for r in range(args.rounds):
+                read, kern, old = measure(hq, hkv, dim, args.tokens, args.steps, before)
+                ratios.append(kern / read)
+                print(
+                    f"{label:<24}{r:>6}{read:>11.1f}{kern:>13.1f}{kern / read:>8.0%}"
+                    f"{old:>13.1f}{old / read:>8.0%}"
+                )
+            print(f"{label:<24}{'all':>6}  ratio {min(ratios):.0%}..{max(ratios):.0%}")
+    select_kernel(0)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,14 @@ ISA_LEVELS = (4, 3, 1)
 
 
 def kernel_levels():
-    """Return the kernel builds this CPU can run, best first (empty without the library)."""
+    """Return the builds of the compiled kernel this CPU can run, best first (local).
+
+    Returns
+    -------
+    tuple of int
+        A subset of ``(4, 3, 1)``: x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA), the
+        baseline. Empty without the compiled library.
+    """
     lib = _lib()
     if lib is None:
         return ()
@@ -64,9 +71,26 @@ def kernel_levels():
 
 
 def select_kernel(level=0):
-    """Run build ``level`` (4, 3 or 1; 0 = the best this CPU supports); return the one in use.
+    """Make build ``level`` of the compiled kernel the one that runs (local, process-wide).
 
-    For tests and benchmarks: not safe while another thread runs the kernel.
+    For tests and benchmarks: not safe while another thread runs the kernel, and
+    invariant mode needs every rank on the same build.
+
+    Parameters
+    ----------
+    level : int
+        4, 3 or 1 (see `kernel_levels`); 0 for the best this CPU supports. A level
+        above the best is lowered to it.
+
+    Returns
+    -------
+    int
+        The level in use.
+
+    Raises
+    ------
+    RuntimeError
+        Without the compiled library.
     """
     lib = _lib()
     if lib is None:

@@ -8,9 +8,13 @@
 /* loaded once feeds every row of the block), one pass turns them into       */
 /* weights (max, exp, sum), and one pass over V accumulates the numerators   */
 /* (rows x columns accumulators, a V vector loaded once feeds every row).    */
-/* K and V come from memory once (later row blocks hit the chunk in L2);     */
-/* lines a fixed distance ahead are prefetched into L2. All arithmetic is    */
-/* float32.                                                                  */
+/* K and V come from memory once (later row blocks hit the chunk in L2).     */
+/* With one row per KV head (MHA, Sq = 1) and contiguous key rows, both      */
+/* passes read memory in address order (a key's whole row, then the next)    */
+/* and leave the fetching to the hardware prefetcher, which then streams at  */
+/* the read floor; otherwise lines a fixed distance ahead are prefetched     */
+/* into L2 (the passes read several key rows side by side, an order the      */
+/* hardware prefetcher does not follow). All arithmetic is float32.          */
 /*                                                                           */
 /* The same code is compiled three times on x86-64 with GCC and picked at    */
 /* run time: x86-64-v4 (AVX-512VL: 32 vector registers, wider blocking),     */
@@ -118,15 +122,19 @@ MPITREE_INLINE void prefetch_row(const float *p, int64_t len)
  * 8 when it is split into more (fewer rows read at a stride before moving on). */
 #define KEYS_WHOLE 32
 #define KEYS_SPLIT 8
+/* ... and 2 when reading in address order: a few keys' rows, column block by block. */
+#define KEYS_IN_ORDER 2
 
 /* Scores of one block of rb rows (q: rb rows of dim) against keys [0, n) of k:
  * s[j * rb + r] = q_r . k_j (interleaved: row r of key j). kb keys at a time, with
  * rb * kb (8 or 16) vector accumulators reduced by transpose-adds. The key rows
  * `pf` keys ahead are prefetched when pf > 0: all at once for a block of several
  * rows, a line per step of the dot products for a single row (whose 8 keys would
- * otherwise ask for 8 rows of lines in one burst). */
+ * otherwise ask for 8 rows of lines in one burst). `in_order` (single row only):
+ * each key's row is read whole before the next (the same sums in the same order). */
 MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int64_t n,
-                                 int64_t dim, const int rb, const int kb, int64_t pf, float *s)
+                                 int64_t dim, const int rb, const int kb, int64_t pf,
+                                 int in_order, float *s)
 {
     const int64_t d8 = dim & ~(int64_t)7, nb = n - n % kb;
     const v8f zero = {0};
@@ -139,22 +147,28 @@ MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int
 #pragma GCC unroll 16
         for (int i = 0; i < rb * kb; ++i)
             acc[i] = zero;
-        for (int64_t x = 0; x < d8; x += 8) {
-            v8f kv[16];
-            if (pf > 0 && rb == 1 && !(x & 15))
-                for (int kk = 0; kk < kb; ++kk)
-                    __builtin_prefetch(kj + (pf + kk) * ks + x, 0, 2);
+        if (rb == 1 && in_order)
 #pragma GCC unroll 16
             for (int kk = 0; kk < kb; ++kk)
-                kv[kk] = load8(kj + kk * ks + x);
-#pragma GCC unroll 4
-            for (int r = 0; r < rb; ++r) {
-                const v8f qv = load8(q + r * dim + x);
+                for (int64_t x = 0; x < d8; x += 8)
+                    acc[kk] += load8(q + x) * load8(kj + kk * ks + x);
+        else
+            for (int64_t x = 0; x < d8; x += 8) {
+                v8f kv[16];
+                if (pf > 0 && rb == 1 && !(x & 15))
+                    for (int kk = 0; kk < kb; ++kk)
+                        __builtin_prefetch(kj + (pf + kk) * ks + x, 0, 2);
 #pragma GCC unroll 16
                 for (int kk = 0; kk < kb; ++kk)
-                    acc[kk * rb + r] += qv * kv[kk];
+                    kv[kk] = load8(kj + kk * ks + x);
+#pragma GCC unroll 4
+                for (int r = 0; r < rb; ++r) {
+                    const v8f qv = load8(q + r * dim + x);
+#pragma GCC unroll 16
+                    for (int kk = 0; kk < kb; ++kk)
+                        acc[kk * rb + r] += qv * kv[kk];
+                }
             }
-        }
 #pragma GCC unroll 2
         for (int g = 0; g < rb * kb; g += 8) {
             v8f sv = hsum8x8(acc + g);
@@ -285,13 +299,17 @@ MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs
 /* The value pass of one row block over keys [0, n): a few keys at a time (in L1),
  * columns in blocks of cb vectors, then single vectors, then a scalar tail. Each
  * column block prefetches its own columns of the key row `pf` ahead when pf > 0,
- * so the prefetches are spread over the pass rather than one burst per row. */
+ * so the prefetches are spread over the pass rather than one burst per row.
+ * `in_order`: a row split into column blocks is read KEYS_IN_ORDER keys at a time
+ * (near address order; each sum still takes its keys in order). */
 MPITREE_INLINE void block_values(const float *w, const float *v, int64_t vs, int64_t n,
                                  int64_t dim, const int rb, const int cb, float *acc, int masked,
-                                 int64_t pf)
+                                 int64_t pf, int in_order)
 {
     const int64_t wide = dim - dim % (8 * cb), d8 = dim & ~(int64_t)7;
-    const int64_t keys = 16 * cb >= dim ? KEYS_WHOLE : KEYS_SPLIT;
+    const int64_t keys = in_order && 8 * cb < dim ? KEYS_IN_ORDER
+                         : 16 * cb >= dim         ? KEYS_WHOLE
+                                                  : KEYS_SPLIT;
     for (int64_t j0 = 0; j0 < n; j0 += keys) {
         const int64_t jn = j0 + keys < n ? j0 + keys : n;
         for (int64_t x0 = 0; x0 < wide; x0 += 8 * cb)
@@ -317,11 +335,11 @@ MPITREE_INLINE void block_values(const float *w, const float *v, int64_t vs, int
 MPITREE_INLINE void block_chunk(const mpitree_attn_args *a, const float *qs, const float *kc,
                                 const float *vc, int64_t cn, int64_t b, int64_t h, int64_t c0,
                                 int64_t r0, const int rb, const int wide, float *acc, float *mx,
-                                float *den, float *s, int64_t pf)
+                                float *den, float *s, int64_t pf, int in_order)
 {
     const int64_t dim = a->head_dim, sq = a->q_len, g = a->q_heads / a->kv_heads;
     const int kb = rb == 1 ? 8 : (wide ? 16 : 8) / rb;
-    block_scores(qs + r0 * dim, kc, a->k_strides[2], cn, dim, rb, kb, pf, s);
+    block_scores(qs + r0 * dim, kc, a->k_strides[2], cn, dim, rb, kb, pf, in_order, s);
     int masked = 0; /* any key of this chunk excluded for some row of the block */
     if (a->vis)
         for (int r = 0; r < rb; ++r) {
@@ -342,18 +360,20 @@ MPITREE_INLINE void block_chunk(const mpitree_attn_args *a, const float *qs, con
             for (int64_t x = 0; x < dim; ++x)
                 acc[(r0 + r) * dim + x] *= scale[r];
     block_values(s, vc, a->v_strides[2], cn, dim, rb, (wide ? 16 : 8) / rb,
-                 acc + r0 * dim, masked, pf);
+                 acc + r0 * dim, masked, pf, in_order);
 }
 
-/* The whole kernel; `wide`: blocking for 32 vector registers (AVX-512VL). */
-MPITREE_INLINE void attend_impl(const mpitree_attn_args *a, const float *q, const float *k,
-                                const float *v, float *out, float *scratch, const int wide)
+/* The whole kernel; `wide`: blocking for 32 vector registers (AVX-512VL);
+ * `in_order`: reading in address order without prefetching (see attend_impl). */
+MPITREE_INLINE void attend_rows(const mpitree_attn_args *a, const float *q, const float *k,
+                                const float *v, float *out, float *scratch, const int wide,
+                                const int in_order)
 {
     const int64_t dim = a->head_dim, sq = a->q_len, g = a->q_heads / a->kv_heads;
     const int64_t rows = g * sq, w = dim + 2;
     /* prefetch distance: about 32 KB of keys ahead */
     int64_t pf = 32768 / (4 * (dim > 0 ? dim : 1));
-    pf = pf < 4 ? 4 : pf > 256 ? 256 : pf;
+    pf = in_order ? 0 : pf < 4 ? 4 : pf > 256 ? 256 : pf;
     float *qs = scratch, *acc = qs + rows * dim, *mx = acc + rows * dim, *den = mx + rows;
     float *s = den + rows;
     for (int64_t b = 0; b < a->batch; ++b) {
@@ -380,13 +400,16 @@ MPITREE_INLINE void attend_impl(const mpitree_attn_args *a, const float *q, cons
                     const int64_t left = rows - r0, p0 = r0 ? 0 : ahead;
                     float *sb = s + r0 * CHUNK;
                     if (left >= 4) {
-                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 4, wide, acc, mx, den, sb, p0);
+                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 4, wide, acc, mx, den, sb, p0,
+                                    in_order);
                         r0 += 4;
                     } else if (left >= 2) {
-                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 2, wide, acc, mx, den, sb, p0);
+                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 2, wide, acc, mx, den, sb, p0,
+                                    in_order);
                         r0 += 2;
                     } else {
-                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 1, wide, acc, mx, den, sb, p0);
+                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 1, wide, acc, mx, den, sb, p0,
+                                    in_order);
                         r0 += 1;
                     }
                 }
@@ -399,6 +422,19 @@ MPITREE_INLINE void attend_impl(const mpitree_attn_args *a, const float *q, cons
             }
         }
     }
+}
+
+/* One row per KV head over contiguous key rows is read in address order, without
+ * prefetching; anything else prefetches. Each is its own specialised copy. */
+MPITREE_INLINE void attend_impl(const mpitree_attn_args *a, const float *q, const float *k,
+                                const float *v, float *out, float *scratch, const int wide)
+{
+    const int64_t dim = a->head_dim;
+    if (a->q_heads == a->kv_heads && a->q_len == 1 && a->k_strides[2] == dim &&
+        a->v_strides[2] == dim)
+        attend_rows(a, q, k, v, out, scratch, wide, 1);
+    else
+        attend_rows(a, q, k, v, out, scratch, wide, 0);
 }
 
 /* Scratch floats mpitree_attend_f32 needs (independent of the shard length). */

@@ -38,7 +38,8 @@ Benchmarks and tools measure through the same layer, locally (no MPI):
 ``phase_times`` times the phases of calls made inside a ``with`` block,
 ``traffic`` counts the bytes handed to MPI, ``Prepared`` runs the compiled kernel
 alone, ``read_seconds`` times the read floor, ``kernel_isa`` names the kernel
-build, ``plan_merger`` gives a plan's merger (its merge alone) and
+build (``kernel_levels`` lists the builds this CPU runs, ``select_kernel`` picks
+one), ``plan_merger`` gives a plan's merger (its merge alone) and
 ``full_checks`` turns a plan's fast path off. None of them costs anything
 when unused.
 
@@ -59,7 +60,7 @@ from ._guard import (
     flagged_allreduce,
 )
 from ._invariant_step import invariant_pieces, invariant_signature
-from ._kernel import BoundLayer, Prepared, kernel_isa, read_seconds
+from ._kernel import BoundLayer, Prepared, kernel_isa, kernel_levels, read_seconds, select_kernel
 from ._local import attend, state_records
 from ._masks import visibility
 from ._merger import Merger, merger_for
@@ -111,6 +112,7 @@ __all__ = [
     "invariant_pieces",
     "invariant_signature",
     "kernel_isa",
+    "kernel_levels",
     "merge_records",
     "merger_for",
     "namespace",
@@ -121,6 +123,7 @@ __all__ = [
     "read_seconds",
     "reduce_scatter_records",
     "resolve",
+    "select_kernel",
     "state_records",
     "traffic",
     "visibility",

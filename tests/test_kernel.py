@@ -361,3 +361,37 @@ def test_nan_scores_poison_the_row_in_every_build(level, poison):
         assert np.isnan(native[0, 3:6, :, 0]).all()  # the poisoned rows' m
     fin = ~np.isnan(ref)
     assert_allclose(native[fin], ref[fin], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dim", [128, 64, 72, 19])
+@pytest.mark.parametrize("case", ["plain", "ragged", "masked", "poisoned"])
+def test_one_row_in_address_order_is_bitwise_the_prefetching_path(level, dim, case):
+    """One row per KV head over contiguous key rows reads in address order (no prefetch).
+
+    The same sums in the same order: its records equal, bit for bit, those of the same
+    data laid out with key rows apart (the prefetching path), over several chunks.
+    """
+    rng = np.random.default_rng([dim, level, len(case)])
+    b, h, t = 2, 3, 777
+    q = (rng.standard_normal((b, h, 1, dim)) * 3).astype(np.float32)
+    apart = rng.standard_normal((2, b, h, t, dim + 5)).astype(np.float32)[..., :dim]
+    k, v = apart
+    lens, vis = None, None
+    if case == "ragged":
+        lens = np.array([t, 513])
+    elif case == "masked":
+        vis = rng.random((b, h, 1, t)) < 0.9
+        v[:, :, ~vis[0, 0, 0]] = np.nan  # garbage where no row looks
+    elif case == "poisoned":
+        k[0, 1, 600, 3] = np.nan
+        v[1, 2, 290, 5] = np.inf
+    records = []
+    for kk, vv in ((k, v), (np.ascontiguousarray(k), np.ascontiguousarray(v))):
+        out = np.full((b, h, 1, dim + 2), -7.0, np.float32)
+        assert attend_native(q, kk, vv, 1 / np.sqrt(dim), lens, vis, out)
+        records.append(out)
+    assert np.array_equal(records[0], records[1], equal_nan=True)
+    ref = state_records(namespace(q), q, k, v, 1 / np.sqrt(dim), lens, vis, "float32")
+    assert np.array_equal(np.isnan(records[1]), np.isnan(ref))
+    if case == "poisoned":
+        assert np.isnan(records[1][0, 1, 0, 0]) and np.isposinf(records[1][1, 2, 0, 7])
