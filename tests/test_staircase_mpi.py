@@ -42,6 +42,18 @@ def test_staircase_equals_float64_reference(dtype, ranks, block, monkeypatch):
             q[:, :, q_idx], k[:, :, k_idx], v[:, :, k_idx], 0.25, q_idx, k_idx, key_ok[:, k_idx]
         )
         assert rec.dtype == torch.float32 and not torch.isnan(rec).any()
+        garbage = torch.full((n, b, hq, d + 2), float("nan"))  # the merge's own layout
+        into = staircase.staircase_records(
+            q[:, :, q_idx],
+            k[:, :, k_idx],
+            v[:, :, k_idx],
+            0.25,
+            q_idx,
+            k_idx,
+            key_ok[:, k_idx],
+            out=garbage.permute(1, 2, 0, 3),
+        )
+        assert into.data_ptr() == garbage.data_ptr() and torch.equal(into, rec)
         lse_ref, out_ref = reference(
             q[:, :, q_idx], k[:, :, k_idx], v[:, :, k_idx], 0.25, q_idx, k_idx, key_ok[:, k_idx]
         )
@@ -77,7 +89,9 @@ def test_prefill_takes_the_fused_path_and_equals_the_general_kernel(placement, m
     ids, mask = prompt(40, True)
     calls = []
     fused = staircase.staircase_records
-    monkeypatch.setattr(staircase, "staircase_records", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setattr(
+        staircase, "staircase_records", lambda *a, **kw: calls.append(1) or fused(*a, **kw)
+    )
     got = []
     for path in ("fused", "general"):
         if path == "general":

@@ -67,11 +67,12 @@ def sharded_attention(query, step):
         if key_ok is None:  # windows, per-head masks, float64: the general kernel
             state = np.empty((b, hq, every.shape[0], d + 2), dtype=acc)
             att.fill(state)
-        else:
-            state = staircase.staircase_records(
-                att.q, att.k, att.v, att.scale, prefill_step.queries, keys, key_ok
-            ).numpy()
-        out[...] = state.transpose(2, 0, 1, 3).reshape(rows, d + 2)
+            out[...] = state.transpose(2, 0, 1, 3).reshape(rows, d + 2)
+        else:  # straight into the records, in their (query, batch, head) order
+            view = torch.from_numpy(out).view(every.shape[0], b, hq, d + 2).permute(1, 2, 0, 3)
+            staircase.staircase_records(
+                att.q, att.k, att.v, att.scale, prefill_step.queries, keys, key_ok, out=view
+            )
 
     merged = extend.reduce_scatter_records(comm, records, prefill_step.counts, b * hq, fill)
     merged = merged.reshape(own, b, hq, d + 2).transpose(1, 2, 0, 3)

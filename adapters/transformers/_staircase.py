@@ -72,7 +72,7 @@ def _part(fused, q, k, v, scale, allowed, kv_heads):
     return torch.where(seen[..., None], rec, empty)
 
 
-def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok):
+def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None):
     """Fill the states of every query over this rank's keys, visible pairs only.
 
     Parameters
@@ -88,12 +88,15 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok):
         ``k_idx[j] <= q_idx[i]`` and ``key_ok[b, j]``.
     key_ok : torch.Tensor
         bool ``(B|1, T)``: False at (left) padding.
+    out : torch.Tensor, optional
+        ``(B, Hq, Nq, D + 2)`` float32, any strides (e.g. a view of the merge's
+        records in their own layout): written in place and returned.
 
     Returns
     -------
     torch.Tensor
         ``(B, Hq, Nq, D + 2)`` float32 records ``[m, d, n]``, natural log, in ``q``'s
-        query order.
+        query order (``out`` when given).
     """
     fused = _fused()
     q, k, v = (x.float() for x in (q, k, v))  # accumulate and combine in float32
@@ -101,7 +104,8 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok):
     hkv = k.shape[1]
     order = torch.argsort(q_idx, stable=True)
     sorted_idx = q_idx[order]
-    out = torch.empty(b, hq, nq, d + 2, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(b, hq, nq, d + 2, dtype=torch.float32)
     for start in range(0, nq, CHUNK):
         rows = order[start : start + CHUNK]
         idx = sorted_idx[start : start + CHUNK]
