@@ -122,7 +122,8 @@ MPITREE_INLINE void prefetch_row(const float *p, int64_t len)
  * 8 when it is split into more (fewer rows read at a stride before moving on). */
 #define KEYS_WHOLE 32
 #define KEYS_SPLIT 8
-/* ... and 2 when reading in address order: a few keys' rows, column block by block. */
+/* ... and in address order: a row of more than 128 floats one key at a time (its
+ * column blocks one after the other), a row split otherwise two keys at a time. */
 #define KEYS_IN_ORDER 2
 
 /* Scores of one block of rb rows (q: rb rows of dim) against keys [0, n) of k:
@@ -300,16 +301,19 @@ MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs
  * columns in blocks of cb vectors, then single vectors, then a scalar tail. Each
  * column block prefetches its own columns of the key row `pf` ahead when pf > 0,
  * so the prefetches are spread over the pass rather than one burst per row.
- * `in_order`: a row split into column blocks is read KEYS_IN_ORDER keys at a time
- * (near address order; each sum still takes its keys in order). */
+ * `in_order`: a row not read as one column block is read one key (a row over 128
+ * floats) or KEYS_IN_ORDER keys at a time (near address order: column by column over
+ * 32 keys, or two keys per column block over a long row, ran at 40-50% of the read
+ * floor; each sum still takes its keys in order). */
 MPITREE_INLINE void block_values(const float *w, const float *v, int64_t vs, int64_t n,
                                  int64_t dim, const int rb, const int cb, float *acc, int masked,
                                  int64_t pf, int in_order)
 {
     const int64_t wide = dim - dim % (8 * cb), d8 = dim & ~(int64_t)7;
-    const int64_t keys = in_order && 8 * cb < dim ? KEYS_IN_ORDER
-                         : 16 * cb >= dim         ? KEYS_WHOLE
-                                                  : KEYS_SPLIT;
+    const int64_t keys = in_order && dim > 128      ? 1
+                         : in_order && 8 * cb != dim ? KEYS_IN_ORDER
+                         : 16 * cb >= dim            ? KEYS_WHOLE
+                                                     : KEYS_SPLIT;
     for (int64_t j0 = 0; j0 < n; j0 += keys) {
         const int64_t jn = j0 + keys < n ? j0 + keys : n;
         for (int64_t x0 = 0; x0 < wide; x0 += 8 * cb)

@@ -363,7 +363,7 @@ def test_nan_scores_poison_the_row_in_every_build(level, poison):
     assert_allclose(native[fin], ref[fin], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dim", [128, 64, 72, 19])
+@pytest.mark.parametrize("dim", [128, 64, 72, 19, 160, 256])
 @pytest.mark.parametrize("case", ["plain", "ragged", "masked", "poisoned"])
 def test_one_row_in_address_order_is_bitwise_the_prefetching_path(level, dim, case):
     """One row per KV head over contiguous key rows reads in address order (no prefetch).
