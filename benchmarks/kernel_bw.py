@@ -71,6 +71,17 @@ def measure(hq, hkv, dim, tokens, steps, before=None, dtype=np.float32):
     return read_bytes / np.median(times["read"]) / 1e9, gbs["kernel"], gbs.get("before", np.nan)
 
 
+def isa_levels(text):
+    """Parse ``--isa``: comma-separated kernel builds among 4, 3 and 1."""
+    try:
+        levels = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated 4, 3 or 1") from None
+    if not levels or any(x not in (4, 3, 1) for x in levels):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated 4, 3 or 1")
+    return levels
+
+
 def main():
     """Print kernel vs read bandwidth per shape, with the spread over rounds."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -80,12 +91,18 @@ def main():
     parser.add_argument("--before", metavar="SO", help="another mpitree._native .so, timed too")
     parser.add_argument(
         "--isa",
-        default=",".join(map(str, kernel_levels())),
+        type=isa_levels,
+        default=None,
         help="comma-separated kernel builds: 4 (x86-64-v4), 3 (x86-64-v3), 1 (baseline); "
         "default: every build this CPU runs",
     )
     args = parser.parse_args()
-    for level in map(int, args.isa.split(",")):
+    levels = args.isa or kernel_levels()
+    if not levels:
+        parser.error("the compiled kernel is not built (or MPITREE_LOCAL_KERNEL=numpy)")
+    for level in levels:
+        if level not in kernel_levels():
+            parser.error(f"--isa {level}: this CPU runs only {kernel_levels()}")
         select_kernel(level)
         before = other_build(args.before, level) if args.before else None
         print(f"kernel ISA: {kernel_isa()}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import threading
 import time
@@ -89,13 +90,22 @@ def select_kernel(level=0):
 
     Raises
     ------
+    TypeError
+        ``level`` is not an integer (a bool, a float, a string).
+    ValueError
+        ``level`` is not 0, 1, 3 or 4.
     RuntimeError
         Without the compiled library.
     """
+    if isinstance(level, bool) or not hasattr(type(level), "__index__"):
+        raise TypeError(f"mpitree: a kernel level is an int, not {type(level).__name__}")
+    level = operator.index(level)
+    if level not in (0, *ISA_LEVELS):
+        raise ValueError(f"mpitree: kernel level {level} is not one of 0, 4, 3, 1")
     lib = _lib()
     if lib is None:
         raise RuntimeError("mpitree: the native library is not built")
-    return lib.mpitree_kernel_select(int(level))
+    return lib.mpitree_kernel_select(level)
 
 
 def _element_strides(x):

@@ -399,3 +399,18 @@ def test_one_row_in_address_order_is_bitwise_the_prefetching_path(level, dim, ca
     else:  # excluded garbage contributes nothing: every record finite, as float64 says
         assert np.isfinite(records[1]).all()
         assert_allclose(records[1], ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        *[(level, ValueError) for level in (2, -1, 5, 2**31)],
+        *[(level, TypeError) for level in (True, 3.7, "3", None)],
+    ],
+)
+def test_select_kernel_refuses_what_is_not_a_level(bad, error):
+    """Only 0, 4, 3 and 1 select a build; nothing else silently picks one."""
+    before = kernel_isa()
+    with pytest.raises(error, match="kernel level"):
+        select_kernel(bad)
+    assert kernel_isa() == before
