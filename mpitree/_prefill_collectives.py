@@ -4,14 +4,17 @@ Adapters reach them through :mod:`mpitree.extend`.
 
 Every rank holds a different chunk of the prompt's queries. Each rank computes
 the partial states of every rank's queries over its own keys; one
-``MPI_Reduce_scatter`` with the native op hands each rank the merged states of
-its own queries. Like every merge, the reduce-scatter carries a flag record per
+``MPI_Reduce_scatter_block`` with the native op hands each rank the merged states of
+its own queries. Like every merge, the reduce-scatter carries a flag per
 destination, so a failure on any rank reaches every rank in the same collective.
+Both collectives work in caller-owned buffers, so that a prefill can allocate them
+once and reuse them in every layer.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from mpi4py import MPI
 
 from ._guard import raise_failure
 from ._op import record_op
@@ -19,7 +22,7 @@ from ._state import empty_records
 from ._traffic import traffic
 
 
-def allgather_rows(comm, mine, counts, row_size):
+def allgather_rows(comm, mine, counts, row_size, out=None):
     """All-gather each rank's rows, in rank order (one ``MPI_Allgatherv``).
 
     Collective over ``comm``; call it only after the agreement, on every rank, with
@@ -31,52 +34,87 @@ def allgather_rows(comm, mine, counts, row_size):
     ----------
     comm : mpi4py.MPI.Intracomm
         The agreed communicator.
-    mine : numpy.ndarray
-        ``(counts[rank], ...)``, C order, float32 or float64: this rank's rows.
+    mine : numpy.ndarray or None
+        ``(counts[rank], ...)``, C order, float32 or float64: this rank's rows. None
+        gathers in place: this rank's rows already sit in ``out`` at its offset
+        (``sum(counts[:rank])``).
     counts : list of int
         Rows per rank, the same on every rank.
     row_size : int
         Values per row (the product of ``mine.shape[1:]``).
+    out : numpy.ndarray, optional
+        ``(sum(counts), ...)``, C order, ``mine``'s dtype: the buffer to gather into
+        (required when ``mine`` is None). Default: a new array.
 
     Returns
     -------
     numpy.ndarray
-        ``(sum(counts), ...)``, ``mine``'s dtype: every rank's rows, rank 0's first.
+        ``(sum(counts), ...)``: every rank's rows, rank 0's first (``out`` when given).
     """
-    every = np.empty((sum(counts), *mine.shape[1:]), dtype=mine.dtype)
-    traffic.add(mine.nbytes)
-    comm.Allgatherv(mine, [every, [c * row_size for c in counts]])
-    return every
+    if out is None:
+        if mine is None:
+            raise ValueError("allgather_rows: gathering in place (mine=None) needs out")
+        out = np.empty((sum(counts), *mine.shape[1:]), dtype=mine.dtype)
+    traffic.add(counts[comm.Get_rank()] * row_size * out.itemsize)
+    comm.Allgatherv(MPI.IN_PLACE if mine is None else mine, [out, [c * row_size for c in counts]])
+    return out
 
 
-def reduce_scatter_records(comm, records, counts, rows_per_count, fill):
-    """Merge every rank's partial states of all ranks' rows; return this rank's merged block.
+def scatter_layout(counts):
+    """Return the padded layout of :func:`reduce_scatter_records`' send buffer.
 
-    One ``MPI_Reduce_scatter`` with the (m, d, n) op, carrying a flag record per
-    destination: whatever ``fill`` raises on any rank is raised on every rank.
-    Collective over ``comm``; call it only after the agreement, with agreed
-    ``counts`` and ``rows_per_count``.
+    Every rank's blocks get the same number of slots, ``max(counts) + 1``: its own
+    blocks first, then empty padding, then one flag slot. Rank ``r``'s ``k``-th
+    block sits at slot ``r * per_rank + k``.
+
+    Parameters
+    ----------
+    counts : list of int
+        Query blocks per rank, the same on every rank.
+
+    Returns
+    -------
+    per_rank : int
+        Slots per rank, ``max(counts) + 1``.
+    slots : numpy.ndarray
+        ``(sum(counts),)`` int64: the slot of every block, in rank-major order.
+    """
+    per_rank = max(counts) + 1
+    slots = [r * per_rank + k for r, c in enumerate(counts) for k in range(c)]
+    return per_rank, np.asarray(slots, dtype=np.int64)
+
+
+def reduce_scatter_records(comm, send, counts, fill, recv=None):
+    """Merge every rank's partial states of all ranks' blocks; return this rank's merged blocks.
+
+    One ``MPI_Reduce_scatter_block`` with the (m, d, n) op over the padded layout of
+    :func:`scatter_layout`, whose flag slots carry the verdict: whatever ``fill``
+    raises on any rank is raised on every rank. Collective over ``comm``; call it
+    only after the agreement, with agreed ``counts`` and block shape.
 
     Parameters
     ----------
     comm : mpi4py.MPI.Intracomm
         The agreed communicator.
-    records : numpy.ndarray
-        ``(sum(counts) * rows_per_count, D + 2)``, float32 or float64, C order:
-        scratch that ``fill`` writes.
+    send : numpy.ndarray
+        ``(p, per_rank, R, D + 2)``, float32 or float64, C order, ``per_rank`` from
+        :func:`scatter_layout`: scratch; ``fill`` writes the blocks, this function
+        the padding and the flags.
     counts : list of int
         Query blocks per rank, the same on every rank.
-    rows_per_count : int
-        Records per query block.
     fill : callable
-        ``fill(records)`` writes this rank's partial states of every rank's query
-        blocks, rank 0's first; it runs inside the guard.
+        ``fill(send)`` writes this rank's partial states of every rank's blocks,
+        block ``k`` of rank ``r`` at ``send[r, k]``, ``k < counts[r]``; it runs
+        inside the guard.
+    recv : numpy.ndarray, optional
+        ``(per_rank, R, D + 2)``, ``send``'s dtype, C order: where to receive.
+        Default: a new array.
 
     Returns
     -------
     numpy.ndarray
-        ``(counts[rank] * rows_per_count, D + 2)``, ``records``' dtype: the merged
-        states of this rank's own blocks.
+        ``(counts[rank], R, D + 2)``, a view of ``recv``: the merged states of this
+        rank's own blocks.
 
     Raises
     ------
@@ -84,26 +122,21 @@ def reduce_scatter_records(comm, records, counts, rows_per_count, fill):
         When ``fill`` raised on any rank: that rank raises its own exception, the
         others :class:`~mpitree.extend.RankError`.
     """
-    width, rank = records.shape[-1], comm.Get_rank()
+    rank, width = comm.Get_rank(), send.shape[-1]
+    if recv is None:
+        recv = np.empty(send.shape[1:], dtype=send.dtype)
     error = None
     try:
-        fill(records)
-    except Exception as exc:  # the verdict rides in the reduce-scatter's flag records
+        fill(send)
+    except Exception as exc:  # the verdict rides in the reduce-scatter's flag slots
         error = exc
-        empty_records(records)
-    sizes = [c * rows_per_count for c in counts]
-    send = np.empty((sum(sizes) + len(sizes), width), dtype=records.dtype)
-    start = 0
-    for r, n in enumerate(sizes):
-        at = start + r
-        send[at : at + n] = records[start : start + n]
-        send[at + n, 0] = 1 if error is not None else -np.inf
-        send[at + n, 1:] = 0
-        start += n
-    recv = np.empty((sizes[rank] + 1, width), dtype=records.dtype)
-    dtype, op = record_op(records.dtype, width)
+        empty_records(send)
+    for r, c in enumerate(counts):
+        empty_records(send[r, c:])  # padding and flag slot: the identity
+    send[:, -1, 0, 0] = 1 if error is not None else -np.inf
+    dtype, op = record_op(send.dtype, width)
     traffic.add(send.nbytes)
-    comm.Reduce_scatter([send, dtype], [recv, dtype], [n + 1 for n in sizes], op)
-    if not np.isneginf(recv[-1, 0]):
+    comm.Reduce_scatter_block([send, dtype], [recv, dtype], op)
+    if not np.isneginf(recv[-1, 0, 0]):
         raise_failure(comm, error)
-    return recv[:-1]
+    return recv[: counts[rank]]

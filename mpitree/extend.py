@@ -30,9 +30,10 @@ signature gains the kernel build (``extend.invariant_signature``). A call that
 merges nothing (``merge=None``) gets no merger: ``extend.agree`` alone is enough.
 
 Sharded prefill (each rank holds other queries) merges with two collectives of
-its own: ``allgather_rows`` hands every rank every rank's query rows, and
-``reduce_scatter_records`` merges each rank's partial states of all of them and
-hands every rank its own, a failure anywhere raising on every rank.
+its own, in buffers the caller may keep for every layer: ``allgather_rows`` hands
+every rank every rank's query rows (in place), and ``reduce_scatter_records``
+merges each rank's partial states of all of them, laid out by ``scatter_layout``,
+and hands every rank its own, a failure anywhere raising on every rank.
 
 Benchmarks and tools measure through the same layer, locally (no MPI):
 ``phase_times`` times the phases of calls made inside a ``with`` block,
@@ -66,7 +67,7 @@ from ._masks import visibility
 from ._merger import Merger, merger_for
 from ._namespace import namespace
 from ._options import INVARIANT, Options, acc_name, dtype_name
-from ._prefill_collectives import allgather_rows, reduce_scatter_records
+from ._prefill_collectives import allgather_rows, reduce_scatter_records, scatter_layout
 from ._state import combine_records, empty_records, finish, merge_records
 from ._step import Attention, KernelSlot, prepare_attention
 from ._strategies import op_needed, resolve
@@ -123,6 +124,7 @@ __all__ = [
     "read_seconds",
     "reduce_scatter_records",
     "resolve",
+    "scatter_layout",
     "select_kernel",
     "state_records",
     "traffic",

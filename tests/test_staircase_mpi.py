@@ -8,7 +8,7 @@ import torch
 from helpers import world
 from models import prompt, tiny_llama
 from mpitree.adapters.transformers import _staircase as staircase
-from numpy.testing import assert_allclose
+from numpy.testing import assert_allclose, assert_array_equal
 
 
 def reference(q, k, v, scale, q_idx, k_idx, key_ok):
@@ -67,6 +67,50 @@ def test_staircase_equals_float64_reference(dtype, ranks, block, monkeypatch):
         assert_allclose(out[seen].numpy(), out_ref[seen].numpy(), atol=2e-5, rtol=0)
 
 
+def test_staircase_keeps_nan_and_writes_each_query_where_told(monkeypatch):
+    """A NaN key or value poisons exactly the rows that see it, through prefix and band alike.
+
+    Garbage at padded keys (seen by no query) poisons nothing; rows that see no key at
+    all are empty.
+    """
+    monkeypatch.setattr(staircase, "CHUNK", 96)  # key 240 in one chunk's band, later prefixes
+    gen = torch.Generator().manual_seed(7)
+    b, hq, hkv, d, n = 2, 4, 2, 16, 400
+    k_idx = torch.arange(0, n, 2)  # rank 0 of 2, interleaved
+    q_idx = torch.randperm(n, generator=gen)
+    q = torch.randn(b, hq, n, d, generator=gen)
+    clean = [torch.randn(b, hkv, n // 2, d, generator=gen) for _ in range(2)]
+    k, v = (x.clone() for x in clean)
+    v[0, 0, 120] = float("nan")  # row 0, global key 240, kv head 0 (query heads 0 and 1)
+    k[0, 1, 30] = float("nan")  # row 0, global key 60, kv head 1 (query heads 2 and 3)
+    key_ok = torch.ones(b, n // 2, dtype=torch.bool)
+    key_ok[1, :25] = False  # row 1: keys 0..48 are left padding
+    v[1, 0, 10] = float("nan")  # ... garbage there: global key 20
+    k[1, 1, 5] = float("inf")  # and global key 10
+    rec = staircase.staircase_records(q, k, v, 0.25, q_idx, k_idx, key_ok)
+    empty = torch.zeros(b, hq, n, dtype=torch.bool)
+    empty[1] = q_idx < 50
+    assert torch.equal(torch.isneginf(rec[..., 0]), empty) and (rec[empty][:, 1:] == 0).all()
+    out = rec[..., 2:] / rec[..., 1:2]
+    poisoned = torch.zeros(b, hq, n, dtype=torch.bool)
+    poisoned[0, :2] = q_idx >= 240
+    poisoned[0, 2:] = q_idx >= 60
+    assert torch.equal(torch.isnan(out).all(-1) & ~empty, poisoned)
+    fine = ~poisoned & ~empty
+    assert not torch.isnan(out[fine]).any()
+    lse_ref, out_ref = reference(q, *clean, 0.25, q_idx, k_idx, key_ok)
+    assert_allclose(out[fine].numpy(), out_ref[fine].numpy(), atol=2e-5, rtol=0)
+    lse = (rec[..., 0] + torch.log(rec[..., 1]))[fine]
+    assert_allclose(lse.numpy(), lse_ref[fine].numpy(), atol=2e-5, rtol=0)
+    slots = torch.randperm(n + 7, generator=gen)[:n]  # rows with gaps, in any order
+    garbage = torch.full((n + 7, b, hq, d + 2), float("nan"))
+    into = staircase.staircase_records(
+        q, k, v, 0.25, q_idx, k_idx, key_ok, out=garbage.permute(1, 2, 0, 3), out_rows=slots
+    )
+    assert into.data_ptr() == garbage.data_ptr()
+    assert_array_equal(into[:, :, slots].numpy(), rec.numpy())  # NaN where rec has NaN
+
+
 def test_key_rows_accepts_staircases_only():
     q_idx, k_idx = torch.tensor([3, 0, 2, 1]), torch.tensor([0, 2])
     causal = (k_idx[None, :] <= q_idx[:, None])[None, None]
@@ -80,6 +124,9 @@ def test_key_rows_accepts_staircases_only():
     assert staircase.key_rows(per_head, q_idx, k_idx) is None
     assert staircase.key_rows(None, q_idx, torch.tensor([2, 1])) is None  # unsorted keys
     assert staircase.key_rows(None, q_idx, k_idx) is None  # all-visible contradicts causality
+    known = torch.tensor([[False, True]])  # a causal recipe's padding: taken without a check
+    assert staircase.key_rows(padded, q_idx, k_idx, known) is known
+    assert staircase.key_rows(per_head, q_idx, k_idx, known) is None  # but never for per-head
 
 
 @pytest.mark.parallel(nprocs=[1, 2, 3])

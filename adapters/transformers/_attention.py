@@ -241,6 +241,22 @@ class LayerStep:
         )
         return self.att
 
+    def causal_keys(self, keys):
+        """``(B|1, T)`` bool: the keys ``keys`` a causal mask leaves visible, or None.
+
+        None unless the layer's mask is causal by its recipe (None, or transformers'
+        causal mask function with or without padding), whose visibility is then
+        ``key <= query`` and this.
+        """
+        mask = self.mask
+        if mask is None:
+            return torch.ones(1, keys.numel(), dtype=torch.bool)
+        if not isinstance(mask, ShardMask) or mask.mask_function is not causal_mask_function:
+            return None
+        if mask.padding is None:
+            return torch.ones(1, keys.numel(), dtype=torch.bool)
+        return mask.padding[:, keys].to(device="cpu", dtype=torch.bool)
+
     def fill(self, records):
         """Write this shard's state of the layer's queries into host records."""
         self.view.layer.kernel.fill(self.prepare(), records)
@@ -708,7 +724,7 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
         signature = _signature(query, key, value, scaling, sharding, view.sharded)
     step = LayerStep(view, query, key, value, attention_mask, agreed, signature)
     if view.sharded:
-        return sharded_attention(query, step).transpose(1, 2).contiguous(), None
+        return sharded_attention(query, step).contiguous(), None
     if sharding.invariant:
         records = _invariant_records(step, sharding)
     else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ class Prefill:
     total: int  # prompt tokens prefilled over all ranks
     queries: torch.Tensor  # (total,) int64: every rank's indices, rank-major
     counts: list  # tokens per rank
+    scratch: dict = field(default_factory=dict, compare=False, repr=False)  # see _scratch
 
 
 def plan(sharding, total):
@@ -31,28 +32,55 @@ def plan(sharding, total):
     return Prefill(order[owners[order] == sharding.rank], total, order, counts)
 
 
+def _scratch(prefill_step, name, shape, dtype):
+    """Return the prefill's buffer ``name``, kept for every layer that wants this shape.
+
+    torch allocates it, in 4 KiB pages: numpy asks for transparent huge pages
+    for large arrays, and on the VMs we measure on, a first touch of fresh huge
+    pages is slow (16K tokens: the query all-gather took 0.87 s into a numpy
+    buffer and 0.17 s into a torch one).
+    """
+    held = prefill_step.scratch.get(name)
+    if held is None or held.shape != shape or held.dtype != dtype:
+        held = torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name)).numpy()
+        prefill_step.scratch[name] = held
+    return held
+
+
 def sharded_attention(query, step):
     """Causal attention for every rank's chunk of queries over every rank's keys.
 
-    Queries are all-gathered (``Allgatherv``); each rank computes the partial
-    states of all of them over its own keys; one ``Reduce_scatter`` with the
-    native (m, d, n) op hands each rank the merged states of its own queries. A
-    rank whose layer does not match the step's agreement sends zeros and reports
-    its failure in the reduce-scatter, so every rank raises.
+    Queries are all-gathered (``Allgatherv``, in place); each rank computes the
+    partial states of all of them over its own keys, straight into the
+    reduce-scatter's send buffer; one ``Reduce_scatter_block`` with the native
+    (m, d, n) op hands each rank the merged states of its own queries. A rank whose
+    layer does not match the step's agreement sends zeros and reports its failure
+    in the reduce-scatter, so every rank raises. Returns ``(B, Sq, Hq, D)``.
     """
     sharding = step.view.layer.sharding
     prefill_step, comm = sharding.pending, sharding.comm
     b, hq, sq, d = (int(s) for s in query.shape)
     agreed = step.agreed.signature
-    own = prefill_step.counts[sharding.rank]  # sq, or 0 under a stand-in token
+    counts, total = prefill_step.counts, prefill_step.total
+    own = counts[sharding.rank]  # sq, or 0 under a stand-in token
     acc = extend.acc_name(query.dtype)
     shape_ok = (b, hq, d) == (agreed["batch"], agreed["q_heads"], agreed["head_dim"])
-    mine = np.zeros((own, agreed["batch"], agreed["q_heads"], agreed["head_dim"]), dtype=acc)
+    rows = (agreed["batch"], agreed["q_heads"], agreed["head_dim"])
+    every = _scratch(prefill_step, "queries", (total, *rows), acc)
+    start = sum(counts[: sharding.rank])
+    mine = torch.from_numpy(every[start : start + own])
     if shape_ok and own <= sq:
-        mine[...] = extend.namespace(query).to_numpy(query[:, :, :own].permute(2, 0, 1, 3))
-    every = extend.allgather_rows(comm, mine, prefill_step.counts, b * hq * d)
-    rows = every.shape[0] * b * hq
-    records = np.empty((rows, d + 2), dtype=acc)
+        mine.copy_(query[:, :, :own].permute(2, 0, 1, 3))
+    else:
+        mine.zero_()
+    extend.allgather_rows(comm, None, counts, int(np.prod(rows)), out=every)
+    if "layout" not in prefill_step.scratch:
+        per_rank, slots = extend.scatter_layout(counts)
+        prefill_step.scratch["layout"] = per_rank, torch.from_numpy(slots)
+    per_rank, slots = prefill_step.scratch["layout"]
+    block = (rows[0] * rows[1], rows[2] + 2)
+    send = _scratch(prefill_step, "send", (len(counts), per_rank, *block), acc)
+    recv = _scratch(prefill_step, "recv", (per_rank, *block), acc)
 
     def fill(out):
         if not shape_ok or own > sq:
@@ -61,24 +89,47 @@ def sharded_attention(query, step):
         att = step.prepare()
         att.q = q_all
         keys = step.view.layer.positions
+        # the records in their (slot, batch, head) order, seen as (batch, head, slot)
+        view = torch.from_numpy(out).view(-1, b, hq, d + 2).permute(1, 2, 0, 3)
         key_ok = None
         if att.k.shape[2] and np.dtype(acc) == np.float32 and staircase.available(q_all):
-            key_ok = staircase.key_rows(att.vis, prefill_step.queries, keys)
+            key_ok = _key_rows(step, prefill_step, att.vis, keys)
         if key_ok is None:  # windows, per-head masks, float64: the general kernel
-            state = np.empty((b, hq, every.shape[0], d + 2), dtype=acc)
+            state = np.empty((b, hq, total, d + 2), dtype=acc)
             att.fill(state)
-            out[...] = state.transpose(2, 0, 1, 3).reshape(rows, d + 2)
-        else:  # straight into the records, in their (query, batch, head) order
-            view = torch.from_numpy(out).view(every.shape[0], b, hq, d + 2).permute(1, 2, 0, 3)
+            view[:, :, slots] = torch.from_numpy(state)
+        else:
             staircase.staircase_records(
-                att.q, att.k, att.v, att.scale, prefill_step.queries, keys, key_ok, out=view
+                att.q,
+                att.k,
+                att.v,
+                att.scale,
+                prefill_step.queries,
+                keys,
+                key_ok,
+                out=view,
+                out_rows=slots,
             )
 
-    merged = extend.reduce_scatter_records(comm, records, prefill_step.counts, b * hq, fill)
-    merged = merged.reshape(own, b, hq, d + 2).transpose(1, 2, 0, 3)
+    merged = extend.reduce_scatter_records(comm, send, counts, fill, recv=recv)
+    # finish works row by row: the (query, batch, head) records give (Sq, B, Hq, D)
     inputs = (query, step.key, step.value)
-    out = extend.finish(np.ascontiguousarray(merged), query, inputs=inputs)
-    return torch.cat([out, out.new_zeros(b, hq, sq - own, d)], 2) if own < sq else out
+    out = extend.finish(merged.reshape(own, b, hq, d + 2), query, inputs=inputs).transpose(0, 1)
+    return torch.cat([out, out.new_zeros(b, sq - own, hq, d)], 1) if own < sq else out
+
+
+def _key_rows(step, prefill_step, vis, keys):
+    """Return the staircase's key rows under ``vis``, worked out once per visibility object.
+
+    Layers that share a mask share their visibility (one object per step), so the
+    check runs in the first layer only.
+    """
+    held = prefill_step.scratch.get("key rows")
+    if held is None or held[0] is not vis:
+        known = step.causal_keys(keys)
+        held = vis, staircase.key_rows(vis, prefill_step.queries, keys, known)
+        prefill_step.scratch["key rows"] = held
+    return held[1]
 
 
 def _digest(x):

@@ -9,15 +9,20 @@ prefix in full (one fused call, no mask but padding) plus a short diagonal band
 about ``N^2 / (2p)`` per rank, with no ``(N, N/p)`` score matrix. The fused op
 (``aten::_scaled_dot_product_flash_attention_for_cpu``) returns the natural-log
 log-sum-exp, so its ``(out, lse)`` is the state ``(m, d, n) = (lse, 1, out)``.
+
+The fused op masks with an additive bias, and a masked key's score or value still
+enters its arithmetic: a NaN or infinite key or value would reach rows that must
+not see it (``NaN + -inf`` is NaN, ``0 * NaN`` is NaN). So key rows that are not
+finite are handled apart: padded ones (seen by no query) are zeroed in a copy, and
+the chunks are cut where a query first sees one, so that no call ever masks one out.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mpitree import extend
-
-CHUNK = 512  # queries per fused call: the diagonal band costs about CHUNK / p keys each
+CHUNK = 384  # queries per fused call; its diagonal band costs about CHUNK / p keys each
+# (16K queries over 8K keys, one thread: 13.1-13.3 s at 384, 13.4-13.6 s at 512)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -26,34 +31,38 @@ def _fused():
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def key_rows(vis, q_idx, k_idx):
+def key_rows(vis, q_idx, k_idx, known=None):
     """Return the ``(B|1, T)`` keys every later query may see if ``vis`` is a staircase.
 
     ``vis`` is the ``(B|1, 1|H, Nq, T)`` visibility (None: all visible), ``q_idx`` and
     ``k_idx`` the queries' and keys' global indices. Returns None when ``vis`` is
     not ``causal & key_ok[b]`` exactly (a window, per-head masks): the caller then
-    takes the general kernel.
+    takes the general kernel. ``known`` is that ``key_ok`` when the mask's recipe
+    already says so (transformers' causal mask, with padding): ``vis`` is then not
+    compared element by element.
     """
     if k_idx.numel() > 1 and not bool((k_idx[1:] > k_idx[:-1]).all()):
         return None
     if vis is None:  # every query sees every key: a staircase only if causality agrees
         everyone = int(k_idx.max()) <= int(q_idx.min())
         return torch.ones(1, k_idx.numel(), dtype=torch.bool) if everyone else None
-    causal = k_idx[None, :] <= q_idx[:, None]
     if vis.ndim != 4 or vis.shape[1] != 1:
         return None
     last = int(torch.argmax(q_idx))
     if int(q_idx[last]) < int(k_idx.max()):  # a key no query reaches: not a prefill shape
         return None
+    if known is not None:
+        return known
+    causal = k_idx[None, :] <= q_idx[:, None]
     ok = vis[:, 0, last, :]
     return ok if torch.equal(vis[:, 0], causal[None] & ok[:, None, :]) else None
 
 
 def _part(fused, q, k, v, scale, allowed, kv_heads):
-    """State records ``(B, Hq, S, D + 2)`` float32 of ``q`` over ``k``/``v`` under ``allowed``.
+    """Return ``(out, lse)`` of ``q`` over ``k``, ``v``: ``(B, Hq, S, D)``, ``(B, Hq, S)`` float32.
 
     ``allowed`` is a bool mask broadcastable to ``(B, 1, S, T)``; rows seeing no key
-    get the empty state.
+    get ``out = 0`` and ``lse = -inf`` (the op gives them lse 0).
     """
     b, hq, s, d = q.shape
     g = hq // kv_heads
@@ -63,16 +72,34 @@ def _part(fused, q, k, v, scale, allowed, kv_heads):
         bias = bias.repeat(1, 1, g, 1)
     out, lse = fused(folded, k, v, attn_mask=bias, scale=scale)
     out, lse = out.reshape(b, hq, s, d), lse.reshape(b, hq, s)
-    rec = torch.cat([lse[..., None], torch.ones_like(lse)[..., None], out], -1)
-    seen = allowed.any(-1)  # (B|1, 1, S|1): rows seeing no key; the op gives them lse 0
-    if bool(seen.all()):
-        return rec
-    empty = torch.zeros(d + 2)
-    empty[0] = float("-inf")
-    return torch.where(seen[..., None], rec, empty)
+    seen = allowed.any(-1)  # (B|1, 1, S|1)
+    if not bool(seen.all()):
+        lse = lse.masked_fill(~seen, float("-inf"))
+        out = out.masked_fill(~seen[..., None], 0)
+    return out, lse
 
 
-def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None):
+def _write(out, rows, part, band):
+    """Write the records ``[m, d, n]`` of the union of two disjoint parts into ``out[:, :, rows]``.
+
+    Either part may be None; a row with no key in either gets the empty state.
+    """
+    if part is None or band is None:
+        o, m = part or band
+        out[:, :, rows, 0] = m
+        out[:, :, rows, 1] = (m != float("-inf")).float()
+        out[:, :, rows, 2:] = o
+        return
+    (oa, la), (ob, lb) = part, band
+    m = torch.maximum(la, lb)
+    shift = m.masked_fill(m == float("-inf"), 0)  # a row with no key: both weights 0
+    wa, wb = torch.exp(la - shift), torch.exp(lb - shift)
+    out[:, :, rows, 0] = m
+    out[:, :, rows, 1] = wa + wb
+    out[:, :, rows, 2:] = oa.mul_(wa[..., None]).add_(ob.mul_(wb[..., None]))
+
+
+def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=None):
     """Fill the states of every query over this rank's keys, visible pairs only.
 
     Parameters
@@ -89,42 +116,75 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None):
     key_ok : torch.Tensor
         bool ``(B|1, T)``: False at (left) padding.
     out : torch.Tensor, optional
-        ``(B, Hq, Nq, D + 2)`` float32, any strides (e.g. a view of the merge's
-        records in their own layout): written in place and returned.
+        ``(B, Hq, M, D + 2)`` float32, any strides (e.g. a view of the merge's
+        records in their own layout), ``M = Nq`` unless ``out_rows`` is given:
+        written in place and returned.
+    out_rows : torch.Tensor, optional
+        ``(Nq,)`` int64: query ``i`` goes to ``out[:, :, out_rows[i]]`` (default ``i``).
 
     Returns
     -------
     torch.Tensor
         ``(B, Hq, Nq, D + 2)`` float32 records ``[m, d, n]``, natural log, in ``q``'s
-        query order (``out`` when given).
+        query order (``out`` when given, its rows placed by ``out_rows``).
     """
     fused = _fused()
     q, k, v = (x.float() for x in (q, k, v))  # accumulate and combine in float32
+    k, v = _hide_padding(k, v, key_ok)
     b, hq, nq, d = q.shape
     hkv = k.shape[1]
     order = torch.argsort(q_idx, stable=True)
     sorted_idx = q_idx[order]
+    dest = order if out_rows is None else out_rows[order]
     if out is None:
         out = torch.empty(b, hq, nq, d + 2, dtype=torch.float32)
-    for start in range(0, nq, CHUNK):
-        rows = order[start : start + CHUNK]
-        idx = sorted_idx[start : start + CHUNK]
+    for start, stop in _chunks(k, v, k_idx, key_ok, sorted_idx):
+        rows = order[start:stop]
+        idx = sorted_idx[start:stop]
         lo = int(torch.searchsorted(k_idx, idx[0], right=True))
         hi = int(torch.searchsorted(k_idx, idx[-1], right=True))
         qc = q[:, :, rows]
-        rec = None
+        part = band = None
         if lo:
             full = key_ok[:, None, None, :lo]
-            rec = _part(fused, qc, k[:, :, :lo], v[:, :, :lo], scale, full, hkv)
+            part = _part(fused, qc, k[:, :, :lo], v[:, :, :lo], scale, full, hkv)
         if hi > lo:
-            band = (k_idx[None, lo:hi] <= idx[:, None])[None, None] & key_ok[:, None, None, lo:hi]
-            part = _part(fused, qc, k[:, :, lo:hi], v[:, :, lo:hi], scale, band, hkv)
-            rec = part if rec is None else extend.combine_records(rec, part)
-        if rec is None:
-            rec = torch.zeros(b, hq, len(rows), d + 2)
-            rec[..., 0] = float("-inf")
-        out[:, :, rows] = rec
+            seen = (k_idx[None, lo:hi] <= idx[:, None])[None, None] & key_ok[:, None, None, lo:hi]
+            band = _part(fused, qc, k[:, :, lo:hi], v[:, :, lo:hi], scale, seen, hkv)
+        if part is None and band is None:
+            out[:, :, dest[start:stop]] = torch.tensor([float("-inf")] + [0.0] * (d + 1))
+        else:
+            _write(out, dest[start:stop], part, band)
     return out
+
+
+def _finite_keys(k, v):
+    """``(B, T)`` bool: key rows whose key and value are finite in every head."""
+    return torch.isfinite(k).all(-1).all(1) & torch.isfinite(v).all(-1).all(1)
+
+
+def _hide_padding(k, v, key_ok):
+    """Return ``k``, ``v`` with non-finite rows that no query sees (padding) set to 0."""
+    hidden = ~_finite_keys(k, v) & ~key_ok
+    if not bool(hidden.any()):
+        return k, v
+    keep = ~hidden[:, None, :, None]
+    return torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
+
+
+def _chunks(k, v, k_idx, key_ok, sorted_idx):
+    """Yield ``(start, stop)`` of the sorted queries' chunks.
+
+    A chunk starts every :data:`CHUNK` queries, and where a query first sees a
+    non-finite key row: no chunk's band then masks one out.
+    """
+    nq = sorted_idx.numel()
+    cuts = set(range(0, nq, CHUNK))
+    bad = (~_finite_keys(k, v) & key_ok).any(0)
+    if bool(bad.any()):
+        cuts.update(torch.searchsorted(sorted_idx, k_idx[bad]).tolist())
+    cuts = sorted(c for c in cuts if c < nq)
+    yield from zip(cuts, [*cuts[1:], nq], strict=True)
 
 
 def available(q):
