@@ -103,6 +103,23 @@ def test_sharded_prefill_with_ranks_that_own_no_prompt_token():
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
+def test_prefill_layer_of_another_dtype_on_one_rank_raises_on_every_rank():
+    """A later layer's float64 query on one rank: its buffers keep the agreed dtype.
+
+    Sized by that rank's own dtype, its query all-gather sent twice the bytes the
+    others expected (MPI aborted on a truncated message).
+    """
+    model = tiny_llama(layers=3)
+    if world().rank == world().size - 1:
+        model.model.layers[1].self_attn.q_proj.register_forward_hook(lambda m, i, o: o.double())
+    ids, mask = prompt(23, True)
+    cache = mtt.ShardedCache(model.config, block_size=4)
+    model.set_attn_implementation("mpitree")
+    with pytest.raises(ValueError, match="differs from the step's first layer"):
+        mtt.prefill(model, ids, cache, attention_mask=mask)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
 def test_packed_tree_verification_equals_each_candidate_alone():
     model = tiny_llama()
     ids, mask = prompt(23, True)

@@ -63,15 +63,18 @@ def sharded_attention(query, step):
     agreed = step.agreed.signature
     counts, total = prefill_step.counts, prefill_step.total
     own = counts[sharding.rank]  # sq, or 0 under a stand-in token
-    acc = extend.acc_name(query.dtype)
-    shape_ok = (b, hq, d) == (agreed["batch"], agreed["q_heads"], agreed["head_dim"])
+    acc = extend.acc_name(agreed["dtype"])  # agreed: not this layer's own (may differ here)
     rows = (agreed["batch"], agreed["q_heads"], agreed["head_dim"])
     every = _scratch(prefill_step, "queries", (total, *rows), acc)
     start = sum(counts[: sharding.rank])
     mine = torch.from_numpy(every[start : start + own])
-    if shape_ok and own <= sq:
+    problem = None  # raised in fill, so that it rides in the reduce-scatter's flag
+    try:
+        if (b, hq, d) != rows or own > sq:
+            raise ValueError(f"prefill: this layer's query {tuple(query.shape)} does not match")
         mine.copy_(query[:, :, :own].permute(2, 0, 1, 3))
-    else:
+    except Exception as exc:
+        problem = exc
         mine.zero_()
     extend.allgather_rows(comm, None, counts, int(np.prod(rows)), out=every)
     if "layout" not in prefill_step.scratch:
@@ -83,8 +86,8 @@ def sharded_attention(query, step):
     recv = _scratch(prefill_step, "recv", (per_rank, *block), acc)
 
     def fill(out):
-        if not shape_ok or own > sq:
-            raise ValueError(f"prefill: this layer's query {tuple(query.shape)} does not match")
+        if problem is not None:
+            raise problem
         q_all = torch.from_numpy(every).permute(1, 2, 0, 3).to(query.device, query.dtype)
         att = step.prepare()
         att.q = q_all
