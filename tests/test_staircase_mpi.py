@@ -111,6 +111,39 @@ def test_staircase_keeps_nan_and_writes_each_query_where_told(monkeypatch):
     assert_array_equal(into[:, :, slots].numpy(), rec.numpy())  # NaN where rec has NaN
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 384])
+def test_staircase_gives_keys_scoring_minus_inf_weight_zero(chunk, monkeypatch):
+    """A part whose visible keys all score -inf is empty (the op made them lse 0: a phantom key).
+
+    As the merge defines it (tests/test_nonfinite_mpi.py): weight exactly 0, so the
+    row is empty when no other key is seen, and ``0 * NaN`` still poisons the output.
+    """
+    monkeypatch.setattr(staircase, "CHUNK", chunk)
+    gen = torch.Generator().manual_seed(3)
+    b, hq, hkv, d, n = 2, 4, 2, 8, 9
+    q = torch.rand(b, hq, n, d, generator=gen) + 0.1  # positive: a -inf key scores -inf
+    clean = [torch.randn(b, hkv, n, d, generator=gen) for _ in range(2)]
+    k, v = (x.clone() for x in clean)
+    k[:, :, 0] = -math.inf  # each query's first key: chunks starting there see only it
+    k[:, :, 4] = -math.inf
+    v[0, 1, 4, 3] = math.nan  # weight 0 times NaN: NaN in that column, for queries >= 4
+    idx = torch.arange(n)
+    key_ok = torch.ones(b, n, dtype=torch.bool)
+    rec = staircase.staircase_records(q, k, v, 0.3, idx, idx, key_ok)
+    assert torch.isneginf(rec[:, :, 0, 0]).all() and (rec[:, :, 0, 1:] == 0).all()
+    out = rec[..., 2:] / rec[..., 1:2]
+    poisoned = torch.zeros(b, hq, n, d, dtype=torch.bool)
+    poisoned[0, 2:, 4:, 3] = True  # kv head 1 is query heads 2 and 3
+    assert torch.equal(torch.isnan(out[:, :, 1:]), poisoned[:, :, 1:])
+    finite = key_ok.clone()
+    finite[:, [0, 4]] = False  # weight 0: as if not seen
+    lse_ref, out_ref = reference(q, *clean, 0.3, idx, idx, finite)
+    fine = ~poisoned[:, :, 1:]
+    assert_allclose(out[:, :, 1:][fine].numpy(), out_ref[:, :, 1:][fine].numpy(), atol=2e-5)
+    lse = rec[:, :, 1:, 0] + torch.log(rec[:, :, 1:, 1])
+    assert_allclose(lse.numpy(), lse_ref[:, :, 1:].numpy(), atol=2e-5, rtol=0)
+
+
 def test_key_rows_accepts_staircases_only():
     q_idx, k_idx = torch.tensor([3, 0, 2, 1]), torch.tensor([0, 2])
     causal = (k_idx[None, :] <= q_idx[:, None])[None, None]

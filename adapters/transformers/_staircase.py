@@ -15,6 +15,9 @@ enters its arithmetic: a NaN or infinite key or value would reach rows that must
 not see it (``NaN + -inf`` is NaN, ``0 * NaN`` is NaN). So key rows that are not
 finite are handled apart: padded ones (seen by no query) are zeroed in a copy, and
 the chunks are cut where a query first sees one, so that no call ever masks one out.
+A call whose visible keys all score ``-inf`` for a row gives it lse 0, as if it saw
+no key: such rows (only non-finite keys can score ``-inf``) get the empty state, weight
+0 for those keys, as the merge defines it (``0 * NaN`` still NaN).
 """
 
 from __future__ import annotations
@@ -58,11 +61,13 @@ def key_rows(vis, q_idx, k_idx, known=None):
     return ok if torch.equal(vis[:, 0], causal[None] & ok[:, None, :]) else None
 
 
-def _part(fused, q, k, v, scale, allowed, kv_heads):
+def _part(fused, q, k, v, scale, allowed, kv_heads, finite=None):
     """Return ``(out, lse)`` of ``q`` over ``k``, ``v``: ``(B, Hq, S, D)``, ``(B, Hq, S)`` float32.
 
-    ``allowed`` is a bool mask broadcastable to ``(B, 1, S, T)``; rows seeing no key
-    get ``out = 0`` and ``lse = -inf`` (the op gives them lse 0).
+    ``allowed`` is a bool mask broadcastable to ``(B, 1, S, T)``; rows seeing no key,
+    or only keys that score ``-inf`` (weight 0), get ``out = 0`` and ``lse = -inf``
+    (the op gives them lse 0). ``finite`` is the ``(B, T)`` bool of key rows that are
+    finite, None when all are: only a non-finite key can score ``-inf``.
     """
     b, hq, s, d = q.shape
     g = hq // kv_heads
@@ -73,10 +78,35 @@ def _part(fused, q, k, v, scale, allowed, kv_heads):
     out, lse = fused(folded, k, v, attn_mask=bias, scale=scale)
     out, lse = out.reshape(b, hq, s, d), lse.reshape(b, hq, s)
     seen = allowed.any(-1)  # (B|1, 1, S|1)
+    idle = None if finite is None else _weightless(q, k, v, scale, allowed, finite, kv_heads)
+    if idle is not None:  # the op cannot tell all scores -inf from no key either
+        seen = seen & ~idle[0]
     if not bool(seen.all()):
         lse = lse.masked_fill(~seen, float("-inf"))
         out = out.masked_fill(~seen[..., None], 0)
+    if idle is not None:
+        out = out.masked_fill(idle[1], torch.nan)
     return out, lse
+
+
+def _weightless(q, k, v, scale, allowed, finite, kv_heads):
+    """Return the rows that see keys, all non-finite and all scoring ``-inf``, or None.
+
+    Returns ``(B, Hq, S)`` bool and ``(B, Hq, S, D)`` bool: where ``sum_j 0 * v_j`` is
+    NaN (a non-finite value of a key the row sees), as plain arithmetic gives.
+    """
+    b, hq, s, d = q.shape
+    blind = ~(allowed & finite[:, None, None, :]).any(-1)  # (B|1, 1, S|1): no finite key seen
+    cols = torch.nonzero(~finite.all(0)).flatten()
+    if not cols.numel() or not bool(blind.any()):
+        return None
+    folded = q.reshape(b, kv_heads, -1, d)
+    scores = torch.einsum("bhsd,bhtd->bhst", folded, k[:, :, cols]).reshape(b, hq, s, -1)
+    seen = allowed[..., cols].expand(b, hq, s, -1)
+    top = scores.mul_(scale).masked_fill_(~seen, -torch.inf).amax(-1)
+    idle = blind & seen.any(-1) & (top == -torch.inf)
+    bad = (~torch.isfinite(v[:, :, cols])).float().repeat_interleave(hq // kv_heads, 1)
+    return idle, idle[..., None] & (seen.float() @ bad > 0)
 
 
 def _write(out, rows, part, band):
@@ -130,7 +160,10 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=N
     """
     fused = _fused()
     q, k, v = (x.float() for x in (q, k, v))  # accumulate and combine in float32
-    k, v = _hide_padding(k, v, key_ok)
+    finite = _finite_keys(k, v)
+    k, v = _hide_padding(k, v, key_ok, finite)
+    finite = finite | ~key_ok  # padding: now zeros
+    finite = None if bool(finite.all()) else finite
     b, hq, nq, d = q.shape
     hkv = k.shape[1]
     order = torch.argsort(q_idx, stable=True)
@@ -138,7 +171,7 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=N
     dest = order if out_rows is None else out_rows[order]
     if out is None:
         out = torch.empty(b, hq, nq, d + 2, dtype=torch.float32)
-    for start, stop in _chunks(k, v, k_idx, key_ok, sorted_idx):
+    for start, stop in _chunks(finite, k_idx, key_ok, sorted_idx):
         rows = order[start:stop]
         idx = sorted_idx[start:stop]
         lo = int(torch.searchsorted(k_idx, idx[0], right=True))
@@ -147,10 +180,12 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=N
         part = band = None
         if lo:
             full = key_ok[:, None, None, :lo]
-            part = _part(fused, qc, k[:, :, :lo], v[:, :, :lo], scale, full, hkv)
+            fin = None if finite is None else finite[:, :lo]
+            part = _part(fused, qc, k[:, :, :lo], v[:, :, :lo], scale, full, hkv, fin)
         if hi > lo:
             seen = (k_idx[None, lo:hi] <= idx[:, None])[None, None] & key_ok[:, None, None, lo:hi]
-            band = _part(fused, qc, k[:, :, lo:hi], v[:, :, lo:hi], scale, seen, hkv)
+            fin = None if finite is None else finite[:, lo:hi]
+            band = _part(fused, qc, k[:, :, lo:hi], v[:, :, lo:hi], scale, seen, hkv, fin)
         if part is None and band is None:
             out[:, :, dest[start:stop]] = torch.tensor([float("-inf")] + [0.0] * (d + 1))
         else:
@@ -163,25 +198,26 @@ def _finite_keys(k, v):
     return torch.isfinite(k).all(-1).all(1) & torch.isfinite(v).all(-1).all(1)
 
 
-def _hide_padding(k, v, key_ok):
+def _hide_padding(k, v, key_ok, finite):
     """Return ``k``, ``v`` with non-finite rows that no query sees (padding) set to 0."""
-    hidden = ~_finite_keys(k, v) & ~key_ok
+    hidden = ~finite & ~key_ok
     if not bool(hidden.any()):
         return k, v
     keep = ~hidden[:, None, :, None]
     return torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
 
 
-def _chunks(k, v, k_idx, key_ok, sorted_idx):
+def _chunks(finite, k_idx, key_ok, sorted_idx):
     """Yield ``(start, stop)`` of the sorted queries' chunks.
 
     A chunk starts every :data:`CHUNK` queries, and where a query first sees a
-    non-finite key row: no chunk's band then masks one out.
+    non-finite key row (``finite``: see :func:`staircase_records`; None: none is):
+    no chunk's band then masks one out.
     """
     nq = sorted_idx.numel()
     cuts = set(range(0, nq, CHUNK))
-    bad = (~_finite_keys(k, v) & key_ok).any(0)
-    if bool(bad.any()):
+    if finite is not None:
+        bad = (~finite & key_ok).any(0)
         cuts.update(torch.searchsorted(sorted_idx, k_idx[bad]).tolist())
     cuts = sorted(c for c in cuts if c < nq)
     yield from zip(cuts, [*cuts[1:], nq], strict=True)
