@@ -50,11 +50,20 @@ def allgather_rows(comm, mine, counts, row_size, out=None):
     -------
     numpy.ndarray
         ``(sum(counts), ...)``: every rank's rows, rank 0's first (``out`` when given).
+
+    Raises
+    ------
+    ValueError
+        ``mine`` or ``out`` not C-ordered with the size ``counts`` and ``row_size``
+        give, or of different dtypes (before any communication).
     """
     if out is None:
         if mine is None:
             raise ValueError("allgather_rows: gathering in place (mine=None) needs out")
         out = np.empty((sum(counts), *mine.shape[1:]), dtype=mine.dtype)
+    _check_buffer("out", out, sum(counts) * row_size, out.dtype if mine is None else mine.dtype)
+    if mine is not None:
+        _check_buffer("mine", mine, counts[comm.Get_rank()] * row_size, out.dtype)
     traffic.add(counts[comm.Get_rank()] * row_size * out.itemsize)
     comm.Allgatherv(MPI.IN_PLACE if mine is None else mine, [out, [c * row_size for c in counts]])
     return out
@@ -118,13 +127,23 @@ def reduce_scatter_records(comm, send, counts, fill, recv=None):
 
     Raises
     ------
+    ValueError
+        ``send`` not ``(p, max(counts) + 1, R, D + 2)`` and C-ordered, or ``recv`` not
+        its ``send[0]``'s size and dtype (before any communication).
     Exception
         When ``fill`` raised on any rank: that rank raises its own exception, the
         others :class:`~mpitree.extend.RankError`.
     """
     rank, width = comm.Get_rank(), send.shape[-1]
+    if send.ndim != 4 or send.shape[:2] != (comm.Get_size(), max(counts) + 1):
+        raise ValueError(
+            f"reduce_scatter_records: send must be (p, max(counts) + 1, R, D + 2) = "
+            f"({comm.Get_size()}, {max(counts) + 1}, R, D + 2), got {send.shape}"
+        )
+    _check_buffer("send", send, send.size, send.dtype)
     if recv is None:
         recv = np.empty(send.shape[1:], dtype=send.dtype)
+    _check_buffer("recv", recv, send.size // len(send), send.dtype)
     error = None
     try:
         fill(send)
@@ -140,3 +159,19 @@ def reduce_scatter_records(comm, send, counts, fill, recv=None):
     if not np.isneginf(recv[-1, 0, 0]):
         raise_failure(comm, error)
     return recv[: counts[rank]]
+
+
+def _check_buffer(name, array, size, dtype):
+    """Raise ValueError unless ``array`` is a C-ordered numpy array of ``size`` ``dtype`` values.
+
+    Its size and dtype follow from agreed arguments: a wrong one is wrong on every
+    rank alike, and MPI would abort on it or fill it with another dtype's bytes.
+    """
+    if (
+        not isinstance(array, np.ndarray)
+        or array.size != size
+        or array.dtype != dtype
+        or not array.flags.c_contiguous
+    ):
+        got = f"{type(array).__name__} {getattr(array, 'shape', '')} {getattr(array, 'dtype', '')}"
+        raise ValueError(f"{name} must be C-ordered {np.dtype(dtype)}, {size} values; got {got}")
