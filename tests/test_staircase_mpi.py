@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import world
 from models import prompt, tiny_llama
+from mpitree.adapters.transformers import _attention
 from mpitree.adapters.transformers import _staircase as staircase
 from numpy.testing import assert_allclose, assert_array_equal
 
@@ -157,9 +158,10 @@ def test_key_rows_accepts_staircases_only():
     assert staircase.key_rows(per_head, q_idx, k_idx) is None
     assert staircase.key_rows(None, q_idx, torch.tensor([2, 1])) is None  # unsorted keys
     assert staircase.key_rows(None, q_idx, k_idx) is None  # all-visible contradicts causality
-    known = torch.tensor([[False, True]])  # a causal recipe's padding: taken without a check
-    assert staircase.key_rows(padded, q_idx, k_idx, known) is known
-    assert staircase.key_rows(per_head, q_idx, k_idx, known) is None  # but never for per-head
+    known = torch.tensor([[False, True]])  # a causal recipe's padding: no mask built or read
+    assert staircase.key_rows(None, q_idx, k_idx, known) is known
+    assert staircase.key_rows(None, q_idx, torch.tensor([2, 1]), known) is None  # unsorted
+    assert staircase.key_rows(None, q_idx, torch.tensor([0, 4]), known) is None  # unreached
 
 
 @pytest.mark.parallel(nprocs=[1, 2, 3])
@@ -172,10 +174,19 @@ def test_prefill_takes_the_fused_path_and_equals_the_general_kernel(placement, m
     monkeypatch.setattr(
         staircase, "staircase_records", lambda *a, **kw: calls.append(1) or fused(*a, **kw)
     )
+    built = {"fused": [], "general": []}  # sharded prefill layers whose mask was built
+    visible = _attention._view_visible
     got = []
     for path in ("fused", "general"):
         if path == "general":
             monkeypatch.setattr(staircase, "available", lambda q: False)
+        monkeypatch.setattr(
+            _attention,
+            "_view_visible",
+            lambda m, view, rows, path=path: (
+                built[path].append(view.sharded) or visible(m, view, rows)
+            ),
+        )
         cache = mtt.ShardedCache(model.config, placement=placement, block_size=4)
         model.set_attn_implementation("mpitree")
         got.append(mtt.prefill(model, ids, cache, attention_mask=mask))
@@ -183,6 +194,10 @@ def test_prefill_takes_the_fused_path_and_equals_the_general_kernel(placement, m
         got.append(keys)
     n_fused = len(calls)
     assert world().allreduce(n_fused) > 0  # some rank held keys and took the fused path
+    # the causal recipe's (N, N/p) bool mask: never built for the staircase, once for the
+    # general kernel (one per step, shared by the layers) on a rank that holds keys
+    assert True not in built["fused"]
+    assert built["general"].count(True) == (1 if n_fused else 0)
     assert_allclose(got[0].numpy(), got[2].numpy(), atol=2e-5, rtol=0)
     for a, b in zip(got[1], got[3], strict=True):
         for ka, kb in zip(a, b, strict=True):

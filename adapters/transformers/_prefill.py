@@ -99,7 +99,7 @@ def sharded_attention(query, step):
             key_ok = _key_rows(step, prefill_step, att.vis, keys)
         if key_ok is None:  # windows, per-head masks, float64: the general kernel
             state = np.empty((b, hq, total, d + 2), dtype=acc)
-            att.fill(state)
+            step.built().fill(state)
             view[:, :, slots] = torch.from_numpy(state)
         else:
             staircase.staircase_records(
@@ -124,8 +124,9 @@ def sharded_attention(query, step):
 def _key_rows(step, prefill_step, vis, keys):
     """Return the staircase's key rows under ``vis``, worked out once per visibility object.
 
-    Layers that share a mask share their visibility (one object per step), so the
-    check runs in the first layer only.
+    Layers that share a mask share their visibility (one object per step, an unbuilt
+    :class:`~._attention.CausalPrefill` under a causal recipe), so the check runs in
+    the first layer only.
     """
     held = prefill_step.scratch.get("key rows")
     if held is None or held[0] is not vis:

@@ -41,11 +41,13 @@ def key_rows(vis, q_idx, k_idx, known=None):
     ``k_idx`` the queries' and keys' global indices. Returns None when ``vis`` is
     not ``causal & key_ok[b]`` exactly (a window, per-head masks): the caller then
     takes the general kernel. ``known`` is that ``key_ok`` when the mask's recipe
-    already says so (transformers' causal mask, with padding): ``vis`` is then not
-    compared element by element.
+    already says so (transformers' causal mask, with padding): ``vis`` is then
+    neither read nor needed.
     """
     if k_idx.numel() > 1 and not bool((k_idx[1:] > k_idx[:-1]).all()):
         return None
+    if known is not None:  # a key no query reaches: not a prefill shape
+        return known if int(q_idx.max()) >= int(k_idx.max()) else None
     if vis is None:  # every query sees every key: a staircase only if causality agrees
         everyone = int(k_idx.max()) <= int(q_idx.min())
         return torch.ones(1, k_idx.numel(), dtype=torch.bool) if everyone else None
@@ -54,8 +56,6 @@ def key_rows(vis, q_idx, k_idx, known=None):
     last = int(torch.argmax(q_idx))
     if int(q_idx[last]) < int(k_idx.max()):  # a key no query reaches: not a prefill shape
         return None
-    if known is not None:
-        return known
     causal = k_idx[None, :] <= q_idx[:, None]
     ok = vis[:, 0, last, :]
     return ok if torch.equal(vis[:, 0], causal[None] & ok[:, None, :]) else None
