@@ -1,6 +1,8 @@
 """Sharded prefill's fused local attention: exact, visible pairs only, and really taken."""
 
+import gc
 import math
+import weakref
 
 import mpitree.adapters.transformers as mtt
 import pytest
@@ -175,17 +177,15 @@ def test_prefill_takes_the_fused_path_and_equals_the_general_kernel(placement, m
         staircase, "staircase_records", lambda *a, **kw: calls.append(1) or fused(*a, **kw)
     )
     built = {"fused": [], "general": []}  # sharded prefill layers whose mask was built
-    visible = _attention._view_visible
+    visible = _attention._visible
     got = []
     for path in ("fused", "general"):
         if path == "general":
             monkeypatch.setattr(staircase, "available", lambda q: False)
-        monkeypatch.setattr(
+        monkeypatch.setattr(  # its last argument: sharded
             _attention,
-            "_view_visible",
-            lambda m, view, rows, path=path: (
-                built[path].append(view.sharded) or visible(m, view, rows)
-            ),
+            "_visible",
+            lambda *a, path=path: built[path].append(a[-1]) or visible(*a),
         )
         cache = mtt.ShardedCache(model.config, placement=placement, block_size=4)
         model.set_attn_implementation("mpitree")
@@ -202,3 +202,35 @@ def test_prefill_takes_the_fused_path_and_equals_the_general_kernel(placement, m
     for a, b in zip(got[1], got[3], strict=True):
         for ka, kb in zip(a, b, strict=True):
             assert_allclose(ka, kb, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_prefill_visibility_goes_with_the_prefill(monkeypatch):
+    """The unbuilt visibility, and the mask the general kernel built from it, die with the
+    prefill by reference counting: no cycle through its step keeps them (a GPU's (N, N/p)
+    bool mask stayed until Python's garbage collector happened to run)."""
+    model = tiny_llama().double()  # float64: the general kernel builds the mask
+    ids, mask = prompt(20, True)
+    made, built = [], []
+    recipe, visible = _attention._causal_recipe, _attention._visible
+
+    def recorded(*args):
+        found = recipe(*args)
+        made.extend([] if found is None else [weakref.ref(found)])
+        return found
+
+    monkeypatch.setattr(_attention, "_causal_recipe", recorded)
+    monkeypatch.setattr(_attention, "_visible", lambda *a: built.append(a[-1]) or visible(*a))
+    cache = mtt.ShardedCache(model.config, block_size=4)
+    model.set_attn_implementation("mpitree")
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.no_grad():
+            mtt.prefill(model, ids, cache, attention_mask=mask)
+        alive = [ref() is not None for ref in made]
+    finally:
+        gc.enable()
+    assert len(made) == 1  # one sharded step, one mask: one recipe
+    assert built.count(True) == 1  # and the general kernel built its mask
+    assert alive == [False]

@@ -67,13 +67,18 @@ class CausalPrefill:
     """
 
     mask: object
-    view: object
-    rows: tuple
+    queries: object  # (N,) int64: every rank's queries, rank-major
+    keys: object  # (T,) int64: this rank's keys
+    length: int
+    rows: tuple  # (B, Hq)
+    # not the View: it holds the Step, whose memo holds this (a cycle that kept a built
+    # mask alive past the prefill until the garbage collector ran)
 
     @cached_property
     def visibility(self):
         """The visibility as :func:`_step_visible` would give it (None: all visible), built once."""
-        return _unless_all(_view_visible(self.mask, self.view, self.rows))
+        q, k, n = self.queries, self.keys, self.length
+        return _unless_all(_visible(self.mask, q, k, n, *self.rows, True))
 
 
 def _causal_recipe(mask, view, rows):
@@ -83,7 +88,7 @@ def _causal_recipe(mask, view, rows):
     if mask is None or (type(mask) is ShardMask and mask.mask_function is causal_mask_function):
         if mask is not None and mask.batch_size != rows[0]:
             raise ValueError(f"mask built for batch {mask.batch_size}, inputs have {rows[0]}")
-        return CausalPrefill(mask, view, rows)
+        return CausalPrefill(mask, view.queries, view.layer.positions, view.layer.length, rows)
     return None
 
 
