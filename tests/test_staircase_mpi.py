@@ -1,5 +1,6 @@
 """Sharded prefill's fused local attention: exact, visible pairs only, and really taken."""
 
+import dataclasses
 import gc
 import math
 import weakref
@@ -7,6 +8,7 @@ import weakref
 import mpitree.adapters.transformers as mtt
 import pytest
 import torch
+import transformers
 from helpers import world
 from models import prompt, tiny_llama
 from mpitree.adapters.transformers import _attention
@@ -234,3 +236,21 @@ def test_prefill_visibility_goes_with_the_prefill(monkeypatch):
     assert len(made) == 1  # one sharded step, one mask: one recipe
     assert built.count(True) == 1  # and the general kernel built its mask
     assert alive == [False]
+
+
+@pytest.mark.parallel(nprocs=[1, 3])
+@pytest.mark.parametrize("padded", [False, True])
+def test_prefill_refuses_a_causal_mask_of_another_batch(padded, monkeypatch):
+    """The causal recipe, left unbuilt, still checks its mask's batch: every rank raises."""
+    model = tiny_llama()
+    ids, mask = prompt(20, padded)
+    masks = transformers.masking_utils.AttentionMaskInterface._global_mapping
+    made = masks["mpitree"]
+    monkeypatch.setitem(
+        masks, "mpitree", lambda *a, **kw: dataclasses.replace(made(*a, **kw), batch_size=3)
+    )
+    cache = mtt.ShardedCache(model.config, block_size=4)
+    model.set_attn_implementation("mpitree")
+    with pytest.raises(ValueError, match="mask built for batch 3, inputs have 2"):
+        mtt.prefill(model, ids, cache, attention_mask=mask)
+    assert cache.get_seq_length() == 0
