@@ -74,6 +74,13 @@ class CausalPrefill:
     # not the View: it holds the Step, whose memo holds this (a cycle that kept a built
     # mask alive past the prefill until the garbage collector ran)
 
+    def key_rows(self):
+        """``(B|1, T)`` bool: the keys the padding leaves visible to any later query."""
+        padding = None if self.mask is None else self.mask.padding
+        if padding is None:
+            return torch.ones(1, self.keys.numel(), dtype=torch.bool)
+        return padding[:, self.keys].to(device="cpu", dtype=torch.bool)
+
     @cached_property
     def visibility(self):
         """The visibility as :func:`_step_visible` would give it (None: all visible), built once."""
@@ -279,21 +286,14 @@ class LayerStep:
         )
         return self.att
 
-    def causal_keys(self, keys):
-        """``(B|1, T)`` bool: the keys ``keys`` a causal mask leaves visible, or None.
+    def causal_keys(self):
+        """``(B|1, T)`` bool: the keys a causal recipe leaves visible, or None if not one.
 
-        None unless the layer's mask is causal by its recipe (None, or transformers'
-        causal mask function with or without padding), whose visibility is then
-        ``key <= query`` and this.
+        Not None only for a sharded prefill's unbuilt :class:`CausalPrefill`, whose
+        visibility is ``key <= query`` and these keys.
         """
-        mask = self.mask
-        if mask is None:
-            return torch.ones(1, keys.numel(), dtype=torch.bool)
-        if not isinstance(mask, ShardMask) or mask.mask_function is not causal_mask_function:
-            return None
-        if mask.padding is None:
-            return torch.ones(1, keys.numel(), dtype=torch.bool)
-        return mask.padding[:, keys].to(device="cpu", dtype=torch.bool)
+        prepared = self.att.vis if self.att is not None else None
+        return prepared.key_rows() if isinstance(prepared, CausalPrefill) else None
 
     def built(self):
         """Return the prepared Attention with its visibility built (see :class:`CausalPrefill`)."""
@@ -329,8 +329,7 @@ def _step_visible(memo, mask, view, rows):
     """
     key = _visible_key(mask, view)
     if key not in memo:
-        recipe = _causal_recipe(mask, view, rows)
-        memo[key] = (mask, recipe or _unless_all(_view_visible(mask, view, rows)))
+        memo[key] = (mask, _shard_visible(mask, view, rows))
     return memo[key][1]
 
 
@@ -501,6 +500,11 @@ def _first_visible(mask, view, rows):
         and (mask is None or (type(mask) is ShardMask and mask.causal(rows[0], length)))
     ):
         return None
+    return _shard_visible(mask, view, rows)
+
+
+def _shard_visible(mask, view, rows):
+    """Return the visibility over the shard: unbuilt under a prefill's causal recipe, or None."""
     return _causal_recipe(mask, view, rows) or _unless_all(_view_visible(mask, view, rows))
 
 

@@ -130,7 +130,7 @@ def _key_rows(step, prefill_step, vis, keys):
     """
     held = prefill_step.scratch.get("key rows")
     if held is None or held[0] is not vis:
-        known = step.causal_keys(keys)
+        known = step.causal_keys()
         held = vis, staircase.key_rows(vis, prefill_step.queries, keys, known)
         prefill_step.scratch["key rows"] = held
     return held[1]
