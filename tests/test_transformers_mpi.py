@@ -12,9 +12,10 @@ import torch
 import transformers
 from helpers import world
 from models import VOCAB, float64_logits, greedy, positions, prompt, tiny_llama
+from mpitree.adapters.transformers import _prefill
 from numpy.testing import assert_allclose
 
-from mpitree import spec
+from mpitree import extend, spec
 
 NEW_TOKENS = 12
 LOGIT_ATOL = 1e-4  # the issue's bound for float32 logits
@@ -117,6 +118,41 @@ def test_prefill_layer_of_another_dtype_on_one_rank_raises_on_every_rank():
     model.set_attn_implementation("mpitree")
     with pytest.raises(ValueError, match="differs from the step's first layer"):
         mtt.prefill(model, ids, cache, attention_mask=mask)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("buffer", ["queries", "send", "recv"])
+def test_prefill_out_of_memory_on_one_rank_raises_on_every_rank(buffer, monkeypatch):
+    """A prefill buffer that cannot be allocated on one rank fails the agreement.
+
+    Allocated after it, the failing rank raised alone and the others waited in the
+    query all-gather (or the reduce-scatter) for ever.
+    """
+    comm = world()
+    if comm.rank == comm.size - 1:
+        scratch = _prefill._scratch
+
+        def short(prefill_step, name, *args):
+            if name == buffer:
+                raise MemoryError(f"no room for {name}")
+            return scratch(prefill_step, name, *args)
+
+        monkeypatch.setattr(_prefill, "_scratch", short)
+    model = tiny_llama(layers=2)
+    ids, mask = prompt(23, True)
+    cache = mtt.ShardedCache(model.config, block_size=4)
+    model.set_attn_implementation("mpitree")
+    with pytest.raises(Exception) as info:
+        mtt.prefill(model, ids, cache, attention_mask=mask)
+    if comm.rank == comm.size - 1:
+        assert info.type is MemoryError
+    else:
+        assert info.type is extend.RankError
+        assert f"MemoryError: no room for {buffer}" in str(info.value)
+    assert cache.get_seq_length() == 0
+    monkeypatch.undo()  # and the next prefill goes through
+    mtt.prefill(model, ids, cache, attention_mask=mask)
+    assert cache.get_seq_length() == ids.shape[1]
 
 
 @pytest.mark.parallel(nprocs=[2, 3])

@@ -13,7 +13,7 @@ from transformers.masking_utils import causal_mask_function, prepare_padding_mas
 from mpitree import extend
 
 from ._cache import foreign_shard, take_view
-from ._prefill import sharded_attention
+from ._prefill import reserve, sharded_attention
 
 
 @dataclass(frozen=True)
@@ -437,6 +437,8 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, recipe, positi
         keep = _first_visible(mask, view, (problem.batch, problem.q_heads))
         payload = (opts, history, keep)
         if view.sharded:  # a sharded prefill merges its own way, with the native op
+            # its buffers, allocated here: running out of memory raises on every rank
+            reserve(sharding.pending, problem.batch, problem.q_heads, problem.head_dim, problem.acc)
             return extend.Call(recipe.signature, payload, op=checked.op)
         # the cache's global length and edits: a crop or batch operation on one rank only
         # would merge states of different tokens (the layers' own signature stays as it is)

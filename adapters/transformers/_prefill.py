@@ -47,6 +47,25 @@ def _scratch(prefill_step, name, shape, dtype):
     return held
 
 
+def reserve(prefill_step, batch, q_heads, head_dim, acc):
+    """Allocate the prefill's three buffers, inside the step's agreement.
+
+    Called by the agreement's local checks, so that running out of memory on one
+    rank raises on every rank there, not in the query all-gather that follows:
+    every layer of the step then finds its buffers allocated (the step's layers
+    share the agreed shapes).
+    """
+    counts, rows = prefill_step.counts, (batch, q_heads, head_dim)
+    _scratch(prefill_step, "queries", (prefill_step.total, *rows), acc)
+    if "layout" not in prefill_step.scratch:
+        per_rank, slots = extend.scatter_layout(counts)
+        prefill_step.scratch["layout"] = per_rank, torch.from_numpy(slots)
+    per_rank = prefill_step.scratch["layout"][0]
+    block = (batch * q_heads, head_dim + 2)
+    _scratch(prefill_step, "send", (len(counts), per_rank, *block), acc)
+    _scratch(prefill_step, "recv", (per_rank, *block), acc)
+
+
 def sharded_attention(query, step):
     """Causal attention for every rank's chunk of queries over every rank's keys.
 
@@ -77,10 +96,7 @@ def sharded_attention(query, step):
         problem = exc
         mine.zero_()
     extend.allgather_rows(comm, None, counts, int(np.prod(rows)), out=every)
-    if "layout" not in prefill_step.scratch:
-        per_rank, slots = extend.scatter_layout(counts)
-        prefill_step.scratch["layout"] = per_rank, torch.from_numpy(slots)
-    per_rank, slots = prefill_step.scratch["layout"]
+    per_rank, slots = prefill_step.scratch["layout"]  # allocated by reserve, as all three are
     block = (rows[0] * rows[1], rows[2] + 2)
     send = _scratch(prefill_step, "send", (len(counts), per_rank, *block), acc)
     recv = _scratch(prefill_step, "recv", (per_rank, *block), acc)
