@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from . import _merger
 from ._guard import agree
 from ._invariant_merger import InvariantMerger
@@ -9,10 +11,12 @@ from ._merger import Merger, cache_key, merger_for
 from ._options import INVARIANT
 from ._strategies import resolve
 
-# (comm, merge, native, merger, comm's merger cache, its key there) of the last shared merger:
-# a call that repeats the same agreed ``merge`` tuple (a kept template's, step after step)
-# skips resolve and merger_for, but marks the merger used in the cache as merger_for does
-_last = None
+# id(merge) -> (comm, merge, native, merger, comm's merger cache, its key there) of the last
+# few shared mergers: a call that repeats an agreed ``merge`` tuple (a kept template's, step
+# after step, or in turn with others) skips resolve and merger_for, but marks the merger used
+# in the cache as merger_for does
+_recent: OrderedDict = OrderedDict()
+_RECENT_SIZE = 8
 
 
 def agree_merger(comm, prepare, *, like=None, owned=False):
@@ -57,7 +61,7 @@ def agree_merger(comm, prepare, *, like=None, owned=False):
     call = agree(comm, prepare)
     if call.merge is None:
         return call, None
-    last = _last
+    last = _recent.get(id(call.merge))
     if (
         last is not None
         and last[1] is call.merge
@@ -87,5 +91,8 @@ def agree_merger(comm, prepare, *, like=None, owned=False):
 
 def _remember(comm, call, merger, key):
     """Keep ``merger`` as the one for ``call.merge`` on ``comm`` (until it is freed)."""
-    global _last
-    _last = (comm, call.merge, call.native, merger, comm.Get_attr(_merger._keyval), key)
+    found = id(call.merge)
+    _recent[found] = (comm, call.merge, call.native, merger, comm.Get_attr(_merger._keyval), key)
+    _recent.move_to_end(found)
+    if len(_recent) > _RECENT_SIZE:
+        _recent.popitem(last=False)

@@ -108,7 +108,7 @@ def test_a_recurring_call_reuses_its_merger_until_it_is_freed():
     for i, (q, k, v, ref) in enumerate(steps):
         out = mpitree.tree_decode(q, k, v, comm)
         assert_allclose(out, reference_attention(*ref)[0], atol=2e-5, rtol=0)
-        mergers.append(_agreed._last[3])
+        mergers.append(next(reversed(_agreed._recent.values()))[3])
         if i == 2:  # evict it from the communicator's cache, as a 17th merger would
             cache = comm.Get_attr(_merger._keyval)
             (key,) = [key for key, m in cache.items() if m is mergers[-1]]
@@ -146,6 +146,33 @@ def test_a_reused_merger_is_evicted_alike_on_every_rank():
     assert_allclose(mpitree.tree_decode(q, k, v, comm), expected, atol=2e-5, rtol=0)
     sub.Free()
     comm.Free()
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_calls_in_turn_each_reuse_their_merger(monkeypatch):
+    """One-shot calls made in turn each keep their merger: no look-up once they recur.
+
+    With one kept merger, ``tree_decode`` and ``allreduce_state`` in turn looked
+    theirs up (and resolved the strategy) on every call.
+    """
+    from mpitree import _agreed
+
+    comm = world()
+    q, k, v, ref = list(growing_cache(comm, 4))[-1]  # no empty shard: its call is remembered
+    expected = reference_attention(*ref)[0]
+    mine = np.random.default_rng([7, comm.rank]).standard_normal((2, 3, 10)).astype(np.float32)
+    mine[..., 1] = np.abs(mine[..., 1])
+    every = np.stack(comm.allgather(mine)).astype(np.float64)
+    looked = []
+    real = _agreed.merger_for
+    monkeypatch.setattr(_agreed, "merger_for", lambda *a: looked.append(a[1:3]) or real(*a))
+    for turn in range(6):
+        if turn == 3:  # both have recurred: their merge tuples are kept
+            before = len(looked)
+        assert_allclose(mpitree.tree_decode(q, k, v, comm), expected, atol=2e-5, rtol=0)
+        merged = mpitree.allreduce_state(mpitree.State(mine), comm)
+        assert_allclose(merged.records, merge_records(every), rtol=2e-6, atol=2e-6)
+    assert before and len(looked) == before
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
