@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 from . import _merger
@@ -11,10 +12,11 @@ from ._merger import Merger, cache_key, merger_for
 from ._options import INVARIANT
 from ._strategies import resolve
 
-# id(merge) -> (comm, merge, native, merger, comm's merger cache, its key there) of the last
-# few shared mergers: a call that repeats an agreed ``merge`` tuple (a kept template's, step
-# after step, or in turn with others) skips resolve and merger_for, but marks the merger used
-# in the cache as merger_for does
+# id(merge) -> (comm, merge, native, weak reference to the merger, comm's merger cache, its key
+# there) of the last few shared mergers: a call that repeats an agreed ``merge`` tuple (a kept
+# template's, step after step, or in turn with others) skips resolve and merger_for, but marks
+# the merger used in the cache as merger_for does. Held weakly: the cache alone keeps it, so a
+# freed communicator's or an evicted merger's buffers are not kept here
 _recent: OrderedDict = OrderedDict()
 _RECENT_SIZE = 8
 
@@ -62,19 +64,20 @@ def agree_merger(comm, prepare, *, like=None, owned=False):
     if call.merge is None:
         return call, None
     last = _recent.get(id(call.merge))
+    kept = None if last is None else last[3]()
     if (
-        last is not None
+        kept is not None
         and last[1] is call.merge
         and last[0] is comm
         and last[2] == call.native
         and like is None
         and not owned
-        and last[3].alive
+        and kept.alive
     ):
         # a rank may reuse it where another (whose last call was on another communicator)
         # looks it up: both mark it used, so every rank's cache evicts the same merger
         last[4].move_to_end(last[5])
-        return call, last[3]
+        return call, kept
     rows, head_dim, acc, opts = call.merge
     if opts.deterministic == INVARIANT:
         if owned:
@@ -92,7 +95,8 @@ def agree_merger(comm, prepare, *, like=None, owned=False):
 def _remember(comm, call, merger, key):
     """Keep ``merger`` as the one for ``call.merge`` on ``comm`` (until it is freed)."""
     found = id(call.merge)
-    _recent[found] = (comm, call.merge, call.native, merger, comm.Get_attr(_merger._keyval), key)
+    cache = comm.Get_attr(_merger._keyval)
+    _recent[found] = (comm, call.merge, call.native, weakref.ref(merger), cache, key)
     _recent.move_to_end(found)
     if len(_recent) > _RECENT_SIZE:
         _recent.popitem(last=False)

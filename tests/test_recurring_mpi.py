@@ -108,7 +108,7 @@ def test_a_recurring_call_reuses_its_merger_until_it_is_freed():
     for i, (q, k, v, ref) in enumerate(steps):
         out = mpitree.tree_decode(q, k, v, comm)
         assert_allclose(out, reference_attention(*ref)[0], atol=2e-5, rtol=0)
-        mergers.append(next(reversed(_agreed._recent.values()))[3])
+        mergers.append(next(reversed(_agreed._recent.values()))[3]())
         if i == 2:  # evict it from the communicator's cache, as a 17th merger would
             cache = comm.Get_attr(_merger._keyval)
             (key,) = [key for key, m in cache.items() if m is mergers[-1]]
@@ -146,6 +146,27 @@ def test_a_reused_merger_is_evicted_alike_on_every_rank():
     assert_allclose(mpitree.tree_decode(q, k, v, comm), expected, atol=2e-5, rtol=0)
     sub.Free()
     comm.Free()
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_the_kept_mergers_of_a_freed_communicator_are_released():
+    """Remembering a merger for reuse does not keep it (and its buffers) past its cache.
+
+    The kept mergers held it: up to 8 freed communicators' record buffers (and the
+    all-gather's ``p``-fold one) stayed in memory for good.
+    """
+    from mpitree import _merger
+
+    comm = world().Dup()
+    mine = np.ones((2, 3, 10), np.float32)
+    for _ in range(2):  # "allgather": no persistent request, which MPICH's Free would wait on
+        mpitree.allreduce_state(mpitree.State(mine), comm, "allgather")
+    cache = comm.Get_attr(_merger._keyval)
+    (kept,) = [weakref.ref(merger) for merger in cache.values()]
+    comm.Free()
+    gc.collect()
+    assert not cache  # freed with its communicator
+    assert kept() is None
 
 
 @pytest.mark.parallel(nprocs=[1, 2, 3])
