@@ -79,6 +79,9 @@ def main():
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens")
     parser.add_argument("--steps", type=int, default=200, help="timed decode steps")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps first")
+    parser.add_argument(
+        "--layers", type=int, default=4, help="decoder layers (Llama-3.1-8B has 32)"
+    )
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
@@ -86,7 +89,7 @@ def main():
         vocab_size=1024,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=4,
+        num_hidden_layers=args.layers,
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=32,
@@ -145,7 +148,8 @@ def main():
     call, merge, kernel, coll = (med[k] for k in ("mpitree call", "merge", "kernel", "collective"))
     local = med.get("local", kernel)  # no checked step: every layer ran its one call
     print(
-        f"{comm.size} rank(s), context {args.context}, Llama 8 q / 2 kv heads, D 32, float32; "
+        f"{comm.size} rank(s), context {args.context}, {args.layers} layers, Llama 8 q / 2 kv "
+        f"heads, D 32, float32; "
         f"slowest rank's median of {args.steps} steps, us per layer"
     )
     rows = [
