@@ -118,11 +118,26 @@ def _staging(like):
     return None if ns.name == "numpy" else ns.device(like)
 
 
+class _Cache(OrderedDict):
+    """A communicator's mergers (key -> merger), built over its private duplicate ``inner``.
+
+    A persistent request holds its communicator, and MPICH runs a communicator's
+    delete callbacks only once nothing holds it: requests on the user's
+    communicator kept it, and its mergers, past its ``Free`` for good.
+    """
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+
 def _delete(comm, keyval, cache):
-    """Attribute delete callback: free the cached mergers with their communicator."""
+    """Attribute delete callback: free the cached mergers, then their communicator."""
     for merger in cache.values():
         merger.free()
     cache.clear()
+    if not MPI.Is_finalized():
+        cache.inner.Free()
 
 
 def cache_key(rows, head_dim, acc, strategy, node_size=0, like=None):
@@ -135,9 +150,11 @@ def merger_for(comm, rows, head_dim, acc, strategy, node_size=0, like=None):
 
     ``strategy="invariant"`` gives an :class:`~._invariant_merger.InvariantMerger`.
 
-    Collective on first use (a persistent request, a node split); call it only
-    after the agreement, with agreed arguments, on every rank. At most
-    16 mergers are kept per communicator (least recently used dropped).
+    Collective on first use (a persistent request, a node split; the first on
+    ``comm`` duplicates it: the mergers work over the duplicate, so that freeing
+    ``comm`` frees them); call it only after the agreement, with agreed
+    arguments, on every rank. At most 16 mergers are kept per communicator
+    (least recently used dropped).
     """
     global _keyval
     if _keyval is None:
@@ -146,15 +163,15 @@ def merger_for(comm, rows, head_dim, acc, strategy, node_size=0, like=None):
                 _keyval = MPI.Comm.Create_keyval(delete_fn=_delete)
     cache = comm.Get_attr(_keyval)
     if cache is None:
-        cache = OrderedDict()
+        cache = _Cache(comm.Dup())
         comm.Set_attr(_keyval, cache)
     key = cache_key(rows, head_dim, acc, strategy, node_size, like)
     merger = cache.get(key)
     if merger is None and strategy == INVARIANT:
-        merger = cache[key] = InvariantMerger(comm, rows, head_dim, acc)
+        merger = cache[key] = InvariantMerger(cache.inner, rows, head_dim, acc)
     elif merger is None:
         merger = cache[key] = Merger(
-            comm, rows, head_dim, acc, strategy, node_size=node_size, like=like
+            cache.inner, rows, head_dim, acc, strategy, node_size=node_size, like=like
         )
         if len(cache) > _CACHE_SIZE:
             cache.popitem(last=False)[1].free()
