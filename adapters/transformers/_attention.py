@@ -438,7 +438,9 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, recipe, positi
         payload = (opts, history, keep)
         if view.sharded:  # a sharded prefill merges its own way, with the native op
             # its buffers, allocated here: running out of memory raises on every rank
-            reserve(sharding.pending, problem.batch, problem.q_heads, problem.head_dim, problem.acc)
+            reserve(
+                sharding.pending, (problem.batch, problem.q_heads, problem.head_dim), problem.acc
+            )
             return extend.Call(recipe.signature, payload, op=checked.op)
         # the cache's global length and edits: a crop or batch operation on one rank only
         # would merge states of different tokens (the layers' own signature stays as it is)

@@ -47,23 +47,25 @@ def _scratch(prefill_step, name, shape, dtype):
     return held
 
 
-def reserve(prefill_step, batch, q_heads, head_dim, acc):
-    """Allocate the prefill's three buffers, inside the step's agreement.
+def reserve(prefill_step, rows, acc):
+    """Return the prefill's buffers for query rows ``(B, Hq, D)`` in ``acc``, allocated once.
 
-    Called by the agreement's local checks, so that running out of memory on one
-    rank raises on every rank there, not in the query all-gather that follows:
-    every layer of the step then finds its buffers allocated (the step's layers
-    share the agreed shapes).
+    Returns ``(queries, slots, send, recv)``: every rank's queries, each query's
+    slot in the reduce-scatter's layout, and its two buffers. The step's agreement
+    calls it first, in its local checks, so that running out of memory on one rank
+    raises on every rank there, not in the query all-gather that follows; every
+    layer then finds them (the step's layers share the agreed shapes).
     """
-    counts, rows = prefill_step.counts, (batch, q_heads, head_dim)
-    _scratch(prefill_step, "queries", (prefill_step.total, *rows), acc)
+    counts = prefill_step.counts
+    every = _scratch(prefill_step, "queries", (prefill_step.total, *rows), acc)
     if "layout" not in prefill_step.scratch:
         per_rank, slots = extend.scatter_layout(counts)
         prefill_step.scratch["layout"] = per_rank, torch.from_numpy(slots)
-    per_rank = prefill_step.scratch["layout"][0]
-    block = (batch * q_heads, head_dim + 2)
-    _scratch(prefill_step, "send", (len(counts), per_rank, *block), acc)
-    _scratch(prefill_step, "recv", (per_rank, *block), acc)
+    per_rank, slots = prefill_step.scratch["layout"]
+    block = (rows[0] * rows[1], rows[2] + 2)
+    send = _scratch(prefill_step, "send", (len(counts), per_rank, *block), acc)
+    recv = _scratch(prefill_step, "recv", (per_rank, *block), acc)
+    return every, slots, send, recv
 
 
 def sharded_attention(query, step):
@@ -84,7 +86,7 @@ def sharded_attention(query, step):
     own = counts[sharding.rank]  # sq, or 0 under a stand-in token
     acc = extend.acc_name(agreed["dtype"])  # agreed: not this layer's own (may differ here)
     rows = (agreed["batch"], agreed["q_heads"], agreed["head_dim"])
-    every = _scratch(prefill_step, "queries", (total, *rows), acc)
+    every, slots, send, recv = reserve(prefill_step, rows, acc)
     start = sum(counts[: sharding.rank])
     mine = torch.from_numpy(every[start : start + own])
     problem = None  # raised in fill, so that it rides in the reduce-scatter's flag
@@ -96,10 +98,6 @@ def sharded_attention(query, step):
         problem = exc
         mine.zero_()
     extend.allgather_rows(comm, None, counts, int(np.prod(rows)), out=every)
-    per_rank, slots = prefill_step.scratch["layout"]  # allocated by reserve, as all three are
-    block = (rows[0] * rows[1], rows[2] + 2)
-    send = _scratch(prefill_step, "send", (len(counts), per_rank, *block), acc)
-    recv = _scratch(prefill_step, "recv", (per_rank, *block), acc)
 
     def fill(out):
         if problem is not None:
