@@ -149,6 +149,38 @@ def test_staircase_gives_keys_scoring_minus_inf_weight_zero(chunk, monkeypatch):
     assert_allclose(lse.numpy(), lse_ref[:, :, 1:].numpy(), atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 384])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_staircase_gives_finite_keys_whose_scores_overflow_weight_zero(chunk, dtype, monkeypatch):
+    """Finite keys whose q.k overflows float32 to -inf weigh 0, as in the decode kernel.
+
+    The fused op gave a part that saw only such keys lse 0 and output 0: a phantom key
+    of score 0 that diluted the keys the row really sees. In float64 those scores are
+    about -1e40, so the float64 reference over every key is the answer wherever a row
+    sees another key; a row that sees only them is empty.
+    """
+    monkeypatch.setattr(staircase, "CHUNK", chunk)
+    gen = torch.Generator().manual_seed(5)
+    b, hq, hkv, d, n = 2, 4, 2, 8, 9
+    q = torch.randn(b, hq, n, d, generator=gen)
+    q[..., 0] = 1e20
+    k, v = (torch.randn(b, hkv, n, d, generator=gen) for _ in range(2))
+    k[..., 0] = 0  # the other keys score as they would without that component
+    for j in (0, 4, 5):  # query 0 sees only key 0; chunks starting at 4 see only 4 (and 5)
+        k[:, :, j] = 0
+        k[:, :, j, 0] = -1e20  # q.k = -1e40: finite inputs, -inf in float32
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    idx = torch.arange(n)
+    key_ok = torch.ones(b, n, dtype=torch.bool)
+    rec = staircase.staircase_records(q, k, v, 0.3, idx, idx, key_ok)
+    assert torch.isneginf(rec[:, :, 0, 0]).all() and (rec[:, :, 0, 1:] == 0).all()
+    lse_ref, out_ref = reference(q, k, v, 0.3, idx, idx, key_ok)
+    out = rec[:, :, 1:, 2:] / rec[:, :, 1:, 1:2]
+    assert_allclose(out.numpy(), out_ref[:, :, 1:].numpy(), atol=2e-5, rtol=0)
+    lse = rec[:, :, 1:, 0] + torch.log(rec[:, :, 1:, 1])
+    assert_allclose(lse.numpy(), lse_ref[:, :, 1:].numpy(), atol=2e-5, rtol=0)
+
+
 def test_key_rows_accepts_staircases_only():
     q_idx, k_idx = torch.tensor([3, 0, 2, 1]), torch.tensor([0, 2])
     causal = (k_idx[None, :] <= q_idx[:, None])[None, None]

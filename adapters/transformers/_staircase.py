@@ -11,22 +11,28 @@ about ``N^2 / (2p)`` per rank, with no ``(N, N/p)`` score matrix. The fused op
 log-sum-exp, so its ``(out, lse)`` is the state ``(m, d, n) = (lse, 1, out)``.
 
 The fused op masks with an additive bias, and a masked key's score or value still
-enters its arithmetic: a NaN or infinite key or value would reach rows that must
-not see it (``NaN + -inf`` is NaN, ``0 * NaN`` is NaN). So key rows that are not
-finite are handled apart: padded ones (seen by no query) are zeroed in a copy, and
-the chunks are cut where a query first sees one, so that no call ever masks one out.
-A call whose visible keys all score ``-inf`` for a row gives it lse 0, as if it saw
-no key: such rows (only non-finite keys can score ``-inf``) get the empty state, weight
-0 for those keys, as the merge defines it (``0 * NaN`` still NaN).
+enters its arithmetic: a NaN or infinite key or value, or a finite key whose score
+overflows float32 to ``+inf``, would reach rows that must not see it (``NaN + -inf``
+and ``inf + -inf`` are NaN, ``0 * NaN`` is NaN). So key rows that are not *tame*
+(finite, with scores bounded below float32's overflow: :func:`_tame_keys`) are
+handled apart: padded ones (seen by no query) are zeroed in a copy, and the chunks
+are cut where a query first sees one, so that no call ever masks one out. A call
+whose visible keys all score ``-inf`` for a row gives it lse 0, as if it saw no
+key: such rows (only keys that are not tame can score ``-inf``) get the empty state,
+weight 0 for those keys, as the merge and the decode kernel define it (``0 * NaN``
+still NaN).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 CHUNK = 384  # queries per fused call; its diagonal band costs about CHUNK / p keys each
 # (16K queries over 8K keys, one thread: 13.1-13.3 s at 384, 13.4-13.6 s at 512)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TAME = 1e38  # a bound on |score| below float32's largest, 3.4e38 (see _tame_keys)
 
 
 def _fused():
@@ -61,13 +67,13 @@ def key_rows(vis, q_idx, k_idx, known=None):
     return ok if torch.equal(vis[:, 0], causal[None] & ok[:, None, :]) else None
 
 
-def _part(fused, q, k, v, scale, allowed, kv_heads, finite=None):
+def _part(fused, q, k, v, scale, allowed, kv_heads, tame=None):
     """Return ``(out, lse)`` of ``q`` over ``k``, ``v``: ``(B, Hq, S, D)``, ``(B, Hq, S)`` float32.
 
     ``allowed`` is a bool mask broadcastable to ``(B, 1, S, T)``; rows seeing no key,
     or only keys that score ``-inf`` (weight 0), get ``out = 0`` and ``lse = -inf``
-    (the op gives them lse 0). ``finite`` is the ``(B, T)`` bool of key rows that are
-    finite, None when all are: only a non-finite key can score ``-inf``.
+    (the op gives them lse 0). ``tame`` is the ``(B, T)`` bool of :func:`_tame_keys`,
+    None when all are: only a key that is not tame can score ``-inf``.
     """
     b, hq, s, d = q.shape
     g = hq // kv_heads
@@ -78,7 +84,7 @@ def _part(fused, q, k, v, scale, allowed, kv_heads, finite=None):
     out, lse = fused(folded, k, v, attn_mask=bias, scale=scale)
     out, lse = out.reshape(b, hq, s, d), lse.reshape(b, hq, s)
     seen = allowed.any(-1)  # (B|1, 1, S|1)
-    idle = None if finite is None else _weightless(q, k, v, scale, allowed, finite, kv_heads)
+    idle = None if tame is None else _weightless(q, k, v, scale, allowed, tame, kv_heads)
     if idle is not None:  # the op cannot tell all scores -inf from no key either
         seen = seen & ~idle[0]
     if not bool(seen.all()):
@@ -89,15 +95,15 @@ def _part(fused, q, k, v, scale, allowed, kv_heads, finite=None):
     return out, lse
 
 
-def _weightless(q, k, v, scale, allowed, finite, kv_heads):
-    """Return the rows that see keys, all non-finite and all scoring ``-inf``, or None.
+def _weightless(q, k, v, scale, allowed, tame, kv_heads):
+    """Return the rows that see keys, none tame and all scoring ``-inf``, or None.
 
     Returns ``(B, Hq, S)`` bool and ``(B, Hq, S, D)`` bool: where ``sum_j 0 * v_j`` is
     NaN (a non-finite value of a key the row sees), as plain arithmetic gives.
     """
     b, hq, s, d = q.shape
-    blind = ~(allowed & finite[:, None, None, :]).any(-1)  # (B|1, 1, S|1): no finite key seen
-    cols = torch.nonzero(~finite.all(0)).flatten()
+    blind = ~(allowed & tame[:, None, None, :]).any(-1)  # (B|1, 1, S|1): no tame key seen
+    cols = torch.nonzero(~tame.all(0)).flatten()
     if not cols.numel() or not bool(blind.any()):
         return None
     folded = q.reshape(b, kv_heads, -1, d)
@@ -160,10 +166,10 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=N
     """
     fused = _fused()
     q, k, v = (x.float() for x in (q, k, v))  # accumulate and combine in float32
-    finite = _finite_keys(k, v)
-    k, v = _hide_padding(k, v, key_ok, finite)
-    finite = finite | ~key_ok  # padding: now zeros
-    finite = None if bool(finite.all()) else finite
+    tame = _tame_keys(q, k, v, scale)
+    k, v = _hide_padding(k, v, key_ok, tame)
+    tame = tame | ~key_ok  # padding: now zeros
+    tame = None if bool(tame.all()) else tame
     b, hq, nq, d = q.shape
     hkv = k.shape[1]
     order = torch.argsort(q_idx, stable=True)
@@ -171,7 +177,7 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=N
     dest = order if out_rows is None else out_rows[order]
     if out is None:
         out = torch.empty(b, hq, nq, d + 2, dtype=torch.float32)
-    for start, stop in _chunks(finite, k_idx, key_ok, sorted_idx):
+    for start, stop in _chunks(tame, k_idx, key_ok, sorted_idx):
         rows = order[start:stop]
         idx = sorted_idx[start:stop]
         lo = int(torch.searchsorted(k_idx, idx[0], right=True))
@@ -180,11 +186,11 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=N
         part = band = None
         if lo:
             full = key_ok[:, None, None, :lo]
-            fin = None if finite is None else finite[:, :lo]
+            fin = None if tame is None else tame[:, :lo]
             part = _part(fused, qc, k[:, :, :lo], v[:, :, :lo], scale, full, hkv, fin)
         if hi > lo:
             seen = (k_idx[None, lo:hi] <= idx[:, None])[None, None] & key_ok[:, None, None, lo:hi]
-            fin = None if finite is None else finite[:, lo:hi]
+            fin = None if tame is None else tame[:, lo:hi]
             band = _part(fused, qc, k[:, :, lo:hi], v[:, :, lo:hi], scale, seen, hkv, fin)
         if part is None and band is None:
             out[:, :, dest[start:stop]] = torch.tensor([float("-inf")] + [0.0] * (d + 1))
@@ -193,31 +199,48 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=N
     return out
 
 
-def _finite_keys(k, v):
-    """``(B, T)`` bool: key rows whose key and value are finite in every head."""
-    return torch.isfinite(k).all(-1).all(1) & torch.isfinite(v).all(-1).all(1)
+def _tame_keys(q, k, v, scale):
+    """``(B, T)`` bool: key rows finite in every head whose scores cannot overflow float32.
+
+    A score is a sum of ``D`` products, so it stays below ``D * max|q| * max|k_j|``
+    (times the scale, if it is above 1, whichever factor the op applies it to). Past
+    :data:`_TAME` a finite key may score ``+-inf``: such rows go with the non-finite ones.
+    """
+    reach = _largest(q)
+    if not math.isfinite(reach):  # the rows of non-finite queries are NaN anyway: bound the rest
+        reach = _largest(q.nan_to_num(0.0, 0.0, 0.0))
+    reach *= q.shape[-1] * max(1.0, scale)
+    big = torch.maximum(k.amax((1, 3)), -k.amin((1, 3)))  # NaN propagates: not tame
+    values = torch.maximum(v.amax((1, 3)), -v.amin((1, 3)))
+    return (big * reach < _TAME) & torch.isfinite(values)
 
 
-def _hide_padding(k, v, key_ok, finite):
-    """Return ``k``, ``v`` with non-finite rows that no query sees (padding) set to 0."""
-    hidden = ~finite & ~key_ok
+def _largest(x):
+    """``max |x|`` as a float (NaN if ``x`` holds one), in one pass without a copy."""
+    low, high = torch.aminmax(x)
+    return float(torch.maximum(high, -low))
+
+
+def _hide_padding(k, v, key_ok, tame):
+    """Return ``k``, ``v`` with rows that are not tame and that no query sees (padding) set to 0."""
+    hidden = ~tame & ~key_ok
     if not bool(hidden.any()):
         return k, v
     keep = ~hidden[:, None, :, None]
     return torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
 
 
-def _chunks(finite, k_idx, key_ok, sorted_idx):
+def _chunks(tame, k_idx, key_ok, sorted_idx):
     """Yield ``(start, stop)`` of the sorted queries' chunks.
 
     A chunk starts every :data:`CHUNK` queries, and where a query first sees a
-    non-finite key row (``finite``: see :func:`staircase_records`; None: none is):
+    key row that is not tame (``tame``: see :func:`staircase_records`; None: all are):
     no chunk's band then masks one out.
     """
     nq = sorted_idx.numel()
     cuts = set(range(0, nq, CHUNK))
-    if finite is not None:
-        bad = (~finite & key_ok).any(0)
+    if tame is not None:
+        bad = (~tame & key_ok).any(0)
         cuts.update(torch.searchsorted(sorted_idx, k_idx[bad]).tolist())
     cuts = sorted(c for c in cuts if c < nq)
     yield from zip(cuts, [*cuts[1:], nq], strict=True)
