@@ -6,6 +6,7 @@ import math
 import weakref
 
 import mpitree.adapters.transformers as mtt
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -286,3 +287,52 @@ def test_prefill_refuses_a_causal_mask_of_another_batch(padded, monkeypatch):
     with pytest.raises(ValueError, match="mask built for batch 3, inputs have 2"):
         mtt.prefill(model, ids, cache, attention_mask=mask)
     assert cache.get_seq_length() == 0
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_prefill_with_an_infinite_query_equals_the_general_kernel(monkeypatch):
+    """A query with an infinite entry takes the general kernel: no key it must not see reaches it.
+
+    Such a query scores ``+-inf`` or NaN against nearly any key, and the fused op's
+    additive mask lets a masked key's score into its arithmetic (``NaN + -inf`` is
+    NaN). Here layer 0's queries 1-7 of row 0 hold ``+inf`` and their keys score
+    ``-inf``: they see no key (output 0, no NaN), while the later keys they must
+    not see score ``+inf`` or NaN. The fused op made those rows NaN.
+    """
+    model = tiny_llama()
+    model.set_attn_implementation("mpitree")
+    attn = model.model.layers[0].self_attn
+    d = attn.head_dim
+    ids, mask = prompt(24, True)
+    pos = {}
+
+    def seen(module, args, kwargs):
+        pos["now"] = kwargs["position_ids"].expand(ids.shape[0], -1)[..., None]
+
+    def query(module, args, out):
+        o = out.unflatten(-1, (-1, d)).clone()
+        first = (pos["now"] >= 1) & (pos["now"] <= 7) & (torch.arange(2)[:, None, None] == 0)
+        o[..., d // 2 - 1] = o[..., d // 2 - 1].masked_fill(first, math.inf)
+        return o.flatten(-2)
+
+    def key(module, args, out):  # rotated or not, the pair (d/2 - 1, d - 1) meets +inf below 0
+        o = out.unflatten(-1, (-1, d)).clone()
+        o[..., [d // 2 - 1, d - 1]] = o[..., [d // 2 - 1, d - 1]].masked_fill(
+            pos["now"][..., None] <= 7, -1
+        )
+        return o.flatten(-2)
+
+    model.model.register_forward_pre_hook(seen, with_kwargs=True)
+    attn.q_proj.register_forward_hook(query)
+    attn.k_proj.register_forward_hook(key)
+    got = []
+    for path in ("fused", "general"):
+        if path == "general":
+            monkeypatch.setattr(staircase, "available", lambda q: False)
+        cache = mtt.ShardedCache(model.config, block_size=4)
+        with torch.no_grad():
+            logits = mtt.prefill(model, ids, cache, attention_mask=mask)
+        got.append((logits.numpy(), cache.layers[1].keys.numpy().copy()))
+    for fused, general in zip(*got, strict=True):
+        assert not np.isnan(general).any()
+        assert_allclose(fused, general, atol=2e-5, rtol=0)

@@ -141,7 +141,8 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=N
     Parameters
     ----------
     q : torch.Tensor
-        ``(B, Hq, Nq, D)`` float32/bfloat16/float16 on the CPU, queries in any order.
+        ``(B, Hq, Nq, D)`` float32/bfloat16/float16 on the CPU, finite (:func:`available`),
+        queries in any order.
     k, v : torch.Tensor
         ``(B, Hkv, T, D)``, same dtype, ``T >= 1``, keys sorted by global index.
     scale : float
@@ -206,10 +207,7 @@ def _tame_keys(q, k, v, scale):
     (times the scale, if it is above 1, whichever factor the op applies it to). Past
     :data:`_TAME` a finite key may score ``+-inf``: such rows go with the non-finite ones.
     """
-    reach = _largest(q)
-    if not math.isfinite(reach):  # the rows of non-finite queries are NaN anyway: bound the rest
-        reach = _largest(q.nan_to_num(0.0, 0.0, 0.0))
-    reach *= q.shape[-1] * max(1.0, scale)
+    reach = _largest(q) * q.shape[-1] * max(1.0, scale)  # q is finite (see available)
     big = torch.maximum(k.amax((1, 3)), -k.amin((1, 3)))  # NaN propagates: not tame
     values = torch.maximum(v.amax((1, 3)), -v.amin((1, 3)))
     return (big * reach < _TAME) & torch.isfinite(values)
@@ -247,5 +245,11 @@ def _chunks(tame, k_idx, key_ok, sorted_idx):
 
 
 def available(q):
-    """Return whether ``q``'s prefill can take the fused path (CPU, a supported dtype)."""
-    return q.device.type == "cpu" and q.dtype in DTYPES and _fused() is not None
+    """Return whether ``q``'s prefill can take the fused path (CPU, a supported dtype, finite).
+
+    A query with an infinite entry scores ``+-inf`` or NaN against nearly any key, and
+    the op's additive mask would let keys it must not see (future, padding) into its
+    row (``NaN + -inf`` is NaN): the general kernel never reads them.
+    """
+    fits = q.device.type == "cpu" and q.dtype in DTYPES and _fused() is not None
+    return fits and math.isfinite(_largest(q))
