@@ -30,9 +30,14 @@ def weighted_values(ns, p, v, keep):
     if ns.all(finite):
         return p @ v
     n = p @ ns.where(finite[..., None], v, 0)
-    sees_bad = ns.max(ns.astype(keep & ~finite[:, :, None, :], "int32"), axis=-1) > 0
-    if ns.any(sees_bad):
-        n = ns.where(sees_bad[..., None], p @ v, n)
+    bad = keep & ~finite[:, :, None, :]  # visible keys whose value is not finite
+    t = int(bad.shape[-1])
+    cols = ns.max(ns.astype(bad, "int32").reshape(-1, t), axis=0) > 0  # keys some row sees so
+    if ns.any(cols):
+        # their products, where visible only (0 * NaN is NaN), added to the rest: an
+        # excluded key's garbage never enters a row that also sees a non-finite value
+        terms = p[..., cols][..., None] * v[:, :, cols][:, :, None]
+        n = n + ns.sum(ns.where(bad[..., cols][..., None], terms, 0), -2)
     return n
 
 

@@ -54,6 +54,18 @@ MPITREE_INLINE v8f select8(v8i mask, v8f a, v8f b) /* mask ? a : b, lane-wise */
 /* Lane-wise max in which NaN wins (as numpy's maximum): a NaN score poisons its row. */
 MPITREE_INLINE v8f max8(v8f a, v8f b) { return select8((a > b) | (a != a), a, b); }
 
+/* An excluded key's weight is -0.0 (set after the exponentials): a visible key whose
+ * weight is +0.0 (it scores -inf, or exp underflows) still multiplies its value, so
+ * that 0 * NaN stays NaN, while an excluded key's value is never read. */
+#define EXCLUDED_BITS ((int32_t)0x80000000)
+
+MPITREE_INLINE int excluded1(float w)
+{
+    int32_t bits;
+    memcpy(&bits, &w, sizeof bits);
+    return bits == EXCLUDED_BITS;
+}
+
 MPITREE_INLINE float max1(float a, float b) { return a > b || a != a ? a : b; }
 
 /* exp(x) for 8 lanes, Cephes-style: ~1 ulp for x in [-87, 88]; exactly 0 below
@@ -233,9 +245,9 @@ MPITREE_INLINE void block_weights(float *s, int64_t n, const int rb, float *m, f
 
 /* acc_r[x0 + c] += sum_j w[j * rb + r] v_j[x0 + c] for rows r < rb, keys [j0, jn), the
  * cb vectors of columns from x0: rb * cb register accumulators. `masked`: the chunk
- * has excluded keys (weight exactly 0) whose values may be garbage (a cache's unused
- * slots): a key no row of the block sees is skipped, and otherwise the products of
- * zero weights are selected out, never multiplied into the sums. */
+ * has excluded keys (weight -0.0, see EXCLUDED_BITS) whose values may be garbage (a
+ * cache's unused slots): a key no row of the block sees is skipped, and otherwise the
+ * products of excluded weights are selected out, never multiplied into the sums. */
 MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs, int64_t j0,
                                       int64_t jn, int64_t dim, int64_t x0, const int rb,
                                       const int cb, float *acc, int masked, int64_t pf)
@@ -264,19 +276,21 @@ MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs
         if (masked) {
             int seen = 0, all = 1;
             for (int r = 0; r < rb; ++r) {
-                seen |= wj[r] != 0.0f;
-                all &= wj[r] != 0.0f;
+                seen |= !excluded1(wj[r]);
+                all &= !excluded1(wj[r]);
             }
             if (!seen)
                 continue; /* no row sees this key: its value is never read */
             if (!all) {
                 const v8f zero = {0};
+                const v8i gone = {EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS,
+                                  EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS};
 #pragma GCC unroll 16
                 for (int i = 0; i < cb; ++i) {
                     const v8f vv = load8(vj + 8 * i);
 #pragma GCC unroll 4
                     for (int r = 0; r < rb; ++r) {
-                        c[r * cb + i] += select8(wr[r] != zero, wr[r] * vv, zero);
+                        c[r * cb + i] += select8((v8i)wr[r] != gone, wr[r] * vv, zero);
                     }
                 }
                 continue;
@@ -326,7 +340,7 @@ MPITREE_INLINE void block_values(const float *w, const float *v, int64_t vs, int
                     prefetch_row(v + (j + pf) * vs + d8, dim - d8);
                 for (int r = 0; r < rb; ++r) {
                     const float x = w[j * rb + r];
-                    if (masked && x == 0.0f)
+                    if (masked && excluded1(x))
                         continue;
                     for (int64_t c = d8; c < dim; ++c)
                         acc[r * dim + c] += x * v[j * vs + c];
@@ -359,6 +373,15 @@ MPITREE_INLINE void block_chunk(const mpitree_attn_args *a, const float *qs, con
         }
     float scale[4];
     block_weights(s, cn, rb, mx + r0, den + r0, scale);
+    if (masked) /* excluded keys: weight -0.0 (exp gave +0.0), which the value pass skips */
+        for (int r = 0; r < rb; ++r) {
+            const int64_t row = r0 + r;
+            const int64_t hq = a->vis_heads > 1 ? h * g + row / sq : 0;
+            const uint8_t *vr = a->vis + ((b * a->vis_heads + hq) * sq + row % sq) * a->t + c0;
+            if (memchr(vr, 0, (size_t)cn))
+                for (int64_t j = 0; j < cn; ++j)
+                    s[j * rb + r] = vr[j] ? s[j * rb + r] : -0.0f;
+        }
     for (int r = 0; r < rb; ++r)
         if (scale[r] != 1.0f)
             for (int64_t x = 0; x < dim; ++x)

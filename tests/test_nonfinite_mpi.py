@@ -139,6 +139,40 @@ def test_weight_zero_key_keeps_its_nan_value(strategy, dtype, placement):
 
 
 @pytest.mark.parallel(nprocs=NPROCS)
+@pytest.mark.parametrize("exclusion", ["mask", "kv_len", "positions"])
+@pytest.mark.parametrize("weight", ["-inf score", "underflow"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_weight_zero_key_keeps_its_nan_value_beside_excluded_keys(dtype, weight, exclusion):
+    """A visible key of weight 0 keeps its NaN value when its shard also has excluded keys.
+
+    Its weight is 0 because it scores -inf, or because it scores so far below the
+    row's max that float32's exp gives 0 (float64 still gives a tiny weight): either
+    way ``0 * NaN`` is NaN. The C kernel took weight 0 to mean "excluded" in a chunk
+    with excluded keys, and skipped it: the NaN became a number.
+    """
+    comm = world()
+    q, k, v, sizes = cache("nan value", "shared", dtype)
+    poison = k.shape[2] - 1
+    if weight == "underflow":  # q > 0: a score about -130 below the others
+        k[:, :, poison] = -50
+    ks, vs, lo = shard(k, v, sizes, comm.rank)
+    t = ks.shape[2]
+    garbage = np.full((B, HKV, 2, D), np.nan, dtype)  # a cache's unused slots
+    ks, vs = (np.concatenate([x, garbage], 2) for x in (ks, vs))
+    kw = {}
+    if exclusion == "mask":
+        kw["mask"] = np.arange(t + 2)[None, None, None, :] < t
+    elif exclusion == "kv_len":
+        kw["kv_len"] = np.full(B, t)
+    else:
+        kw["q_pos"] = np.full((B, 1), k.shape[2])
+        kw["k_pos"] = np.concatenate([np.arange(lo, lo + t), [10**6, 10**6]])[None]
+    out, lse = mpitree.tree_decode(q, ks, vs, return_lse=True, **kw)
+    ref = check(out, lse, q, k, v, atol(dtype))
+    assert np.isnan(ref[..., 2]).all() and not np.isnan(np.delete(ref, 2, axis=-1)).any()
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_score_neg_inf_sees_no_key(strategy, dtype):
