@@ -268,15 +268,27 @@ def _dot(probs, v):
 
 
 def _weighted(probs, v, keep):
-    """``probs @ v``: values of keys no row sees (NaN/Inf in unused slots) contribute nothing."""
+    """``probs @ v``: values of excluded keys (NaN/Inf in unused slots) contribute nothing.
+
+    A visible key's non-finite value enters as plain arithmetic gives it, in its own
+    column only: counted by matmuls of indicators (``0 * inf`` and NaN give NaN).
+    """
     if keep is None:
         return _dot(probs, v)
-    finite = jnp.all(jnp.isfinite(v), axis=-1)  # (B, Hkv, T)
-    clean = _dot(probs, jnp.where(finite[..., None], v, 0))
-    sees_bad = jnp.any(keep & ~finite[:, :, None, :], axis=-1)[..., None]
-    return jax.lax.cond(
-        jnp.any(sees_bad), lambda: jnp.where(sees_bad, _dot(probs, v), clean), lambda: clean
-    )
+    finite = jnp.isfinite(v)
+    clean = _dot(probs, jnp.where(finite, v, 0))
+
+    def poisoned():
+        seen = keep & jnp.ones(probs.shape, bool)
+        nan = _dot(seen.astype(v.dtype), jnp.isnan(v).astype(v.dtype))
+        nan += _dot((seen & (probs == 0)).astype(v.dtype), jnp.isinf(v).astype(v.dtype))
+        big = (seen & (probs != 0)).astype(v.dtype)
+        inf = jnp.where(_dot(big, (v == jnp.inf).astype(v.dtype)) > 0, jnp.inf, 0)
+        inf += jnp.where(_dot(big, (v == -jnp.inf).astype(v.dtype)) > 0, -jnp.inf, 0)
+        return clean + inf.astype(v.dtype) + jnp.where(nan > 0, jnp.nan, 0).astype(v.dtype)
+
+    sees_bad = jnp.any(keep & ~jnp.all(finite, axis=-1)[:, :, None, :])
+    return jax.lax.cond(sees_bad, poisoned, lambda: clean)
 
 
 def _local_records(p, scale, t, q, k, v, keep):

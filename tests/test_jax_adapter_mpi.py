@@ -95,6 +95,39 @@ def test_float32_local_state_kernel_or_xla(local, monkeypatch):
 
 
 @pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parametrize("local", ["float64", "float32 xla"])
+def test_visible_nan_value_stays_in_its_column_beside_garbage(local, monkeypatch):
+    """A visible key's NaN value makes its own output column NaN, never the others.
+
+    The last key scores -inf (weight 0: ``0 * NaN`` is NaN) and has a NaN in column
+    2; each shard also has unused slots full of NaN/Inf, excluded by ``kv_len``.
+    XLA's local state took ``p @ v`` over every key for a row that saw a non-finite
+    value, so the excluded garbage made every column NaN.
+    """
+    monkeypatch.setenv(mj.LOCAL_ENV, "xla")
+    dtype = np.float64 if local == "float64" else np.float32
+    rank, sz = world().rank, [2 + r for r in range(world().size)]
+    rng = np.random.default_rng(3)
+    n = sum(sz)
+    q = np.abs(rng.standard_normal((1, 4, 2, 8))) + 0.1  # positive: a -inf key scores -inf
+    k, v = rng.standard_normal((2, 1, 2, n, 8))
+    k[:, :, -1], v[:, :, -1, 2] = -np.inf, np.nan
+    lo = sum(sz[:rank])
+    garbage = np.full((1, 2, 3, 8), np.nan)
+    ks, vs = (np.concatenate([x[:, :, lo : lo + sz[rank]], garbage], 2) for x in (k, v))
+    args = [jnp.asarray(x, dtype) for x in (q, ks, vs)]
+    decode = lambda q, k, v, n: mj.tree_decode(q, k, v, kv_len=n, return_lse=True)  # noqa: E731
+    for run in (jax.jit(decode), decode):
+        out, lse = run(*args, jnp.asarray([sz[rank]]))
+        ref, ref_lse = mpitree.reference_attention(q, k, v)
+        got = np.asarray(out, np.float64)
+        assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.isnan(ref[..., 2]).all()
+        keep = ~np.isnan(ref)
+        assert_allclose(got[keep], ref[keep], atol=DTYPES[np.dtype(dtype).name], rtol=0)
+        assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
 @pytest.mark.parametrize("strategy", ["allreduce", "allreduce3", "allgather", "hierarchical"])
 def test_every_merging_strategy(strategy):
     rank = world().rank
