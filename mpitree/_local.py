@@ -21,24 +21,28 @@ def weighted_values(ns, p, v, keep):
 
     ``keep`` (broadcastable to p's shape, or None) marks visible keys. Values of
     excluded keys may be garbage (NaN/Inf in a cache's unused slots): they are
-    selected out, never multiplied by 0. A row that sees a non-finite value gets
-    a non-finite output, as plain arithmetic would give it.
+    selected out, never multiplied by 0. A visible key's non-finite value enters as
+    plain arithmetic gives it, in its own column only: NaN, or an infinity on a key
+    of weight 0, gives NaN; ``+-inf`` on a positive weight gives ``+-inf`` (both:
+    NaN). Matmuls of 0/1 indicators count them, so nothing grows with their number.
     """
     if keep is None:
         return p @ v
-    finite = ns.all(ns.isfinite(v), axis=-1)  # (B, Hkv, T): keys whose values are all finite
-    if ns.all(finite):
-        return p @ v
-    n = p @ ns.where(finite[..., None], v, 0)
-    bad = keep & ~finite[:, :, None, :]  # visible keys whose value is not finite
-    t = int(bad.shape[-1])
-    cols = ns.max(ns.astype(bad, "int32").reshape(-1, t), axis=0) > 0  # keys some row sees so
-    if ns.any(cols):
-        # their products, where visible only (0 * NaN is NaN), added to the rest: an
-        # excluded key's garbage never enters a row that also sees a non-finite value
-        terms = p[..., cols][..., None] * v[:, :, cols][:, :, None]
-        n = n + ns.sum(ns.where(bad[..., cols][..., None], terms, 0), -2)
-    return n
+    finite = ns.isfinite(v)
+    n = p @ ns.where(finite, v, 0)
+    bad = keep & ~ns.all(finite, axis=-1)[:, :, None, :]  # visible keys with such a value
+    if not ns.any(bad):
+        return n
+    name = dtype_name(v.dtype)
+
+    def count(rows, cols):
+        return (ns.astype(rows, name) @ ns.astype(cols, name)) > 0
+
+    nan = count(bad, v != v) | count(bad & (p == 0), ~finite & (v == v))
+    big = bad & (p != 0)
+    n = ns.where(count(big, v == np.inf), n + np.inf, n)  # n's own dtype throughout
+    n = ns.where(count(big, v == -np.inf), n - np.inf, n)  # both: inf - inf, NaN
+    return ns.where(nan, n + np.nan, n)
 
 
 def grouped_keep(ns, lens, vis, q, k):
