@@ -29,6 +29,8 @@ def weighted_values(ns, p, v, keep):
     if keep is None:
         return p @ v
     finite = ns.isfinite(v)
+    if ns.all(finite):  # the usual case: no copy of v
+        return p @ v
     n = p @ ns.where(finite, v, 0)
     bad = keep & ~ns.all(finite, axis=-1)[:, :, None, :]  # visible keys with such a value
     if not ns.any(bad):
