@@ -1,11 +1,13 @@
-"""Sharded prefill's collectives: all-gather ranks' query rows, reduce-scatter their states.
+"""Sharded prefill's collectives: all-gather ranks' rows, reduce-scatter their states.
 
 Adapters reach them through :mod:`mpitree.extend`.
 
-Every rank holds a different chunk of the prompt's queries. Each rank computes
-the partial states of every rank's queries over its own keys; one
-``MPI_Reduce_scatter_block`` with the native op hands each rank the merged states of
-its own queries. Like every merge, the reduce-scatter carries a flag per
+Every rank holds a different chunk of the prompt's queries, keys and values.
+Either every rank's keys and values are all-gathered and each rank attends its
+own queries (what the transformers adapter does), or every rank's queries are:
+each rank then computes the partial states of all of them over its own keys,
+and one ``MPI_Reduce_scatter_block`` with the native op hands each rank the
+merged states of its own queries. Like every merge, the reduce-scatter carries a flag per
 destination, so a failure on any rank reaches every rank in the same collective.
 Both collectives work in caller-owned buffers, so that a prefill can allocate them
 once and reuse them in every layer.
@@ -27,8 +29,9 @@ def allgather_rows(comm, mine, counts, row_size, out=None):
 
     Collective over ``comm``; call it only after the agreement, on every rank, with
     agreed ``counts`` and ``row_size``. A rank whose own rows are unusable passes
-    zeros of the agreed size and reports its failure in
-    :func:`reduce_scatter_records`, so that every rank raises there.
+    zeros of the agreed size and reports its failure in the collective that
+    follows (:func:`reduce_scatter_records`, or a
+    :func:`~mpitree.extend.flagged_allreduce`), so that every rank raises there.
 
     Parameters
     ----------

@@ -29,11 +29,16 @@ kv_blocks, acc))`` returns the ``(rows, D + 2)`` records of the tree's root, and
 signature gains the kernel build (``extend.invariant_signature``). A call that
 merges nothing (``merge=None``) gets no merger: ``extend.agree`` alone is enough.
 
-Sharded prefill (each rank holds other queries) merges with two collectives of
-its own, in buffers the caller may keep for every layer: ``allgather_rows`` hands
-every rank every rank's query rows (in place), and ``reduce_scatter_records``
-merges each rank's partial states of all of them, laid out by ``scatter_layout``,
-and hands every rank its own, a failure anywhere raising on every rank.
+Sharded prefill (each rank holds other queries) has two collectives of its own,
+in buffers the caller may keep for every layer: ``allgather_rows`` hands every
+rank every rank's rows (in place). The transformers adapter gathers keys and
+values with it, attends each rank's own queries locally, and carries the verdict
+in a ``flagged_allreduce``. The other route gathers the queries instead:
+``reduce_scatter_records`` merges each rank's partial states of all of them, laid
+out by ``scatter_layout``, and hands every rank its own, a failure anywhere
+raising on every rank. It moves more bytes than the keys and values (the
+queries, then a state of every query from every rank), but each rank computes
+over its own keys only.
 
 Benchmarks and tools measure through the same layer, locally (no MPI):
 ``phase_times`` times the phases of calls made inside a ``with`` block,

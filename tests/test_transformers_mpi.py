@@ -121,23 +121,34 @@ def test_prefill_layer_of_another_dtype_on_one_rank_raises_on_every_rank():
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
-@pytest.mark.parametrize("buffer", ["queries", "send", "recv"])
-def test_prefill_out_of_memory_on_one_rank_raises_on_every_rank(buffer, monkeypatch):
-    """A prefill buffer that cannot be allocated on one rank fails the agreement.
+@pytest.mark.parametrize("where", ["keys and values", "second layer's attention"])
+def test_prefill_out_of_memory_on_one_rank_raises_on_every_rank(where, monkeypatch):
+    """Running out of memory on one rank, for the all-gather's buffer or later in a layer.
 
-    Allocated after it, the failing rank raised alone and the others waited in the
-    query all-gather (or the reduce-scatter) for ever.
+    The buffer is allocated in the agreement (allocated after it, the failing rank
+    raised alone and the others waited in the all-gather for ever); a failure in a
+    layer's local attention, after its all-gather, rides in the layer's flag.
     """
     comm = world()
-    if comm.rank == comm.size - 1:
+    if comm.rank == comm.size - 1 and where == "keys and values":
         scratch = _prefill._scratch
 
         def short(prefill_step, name, *args):
-            if name == buffer:
+            if name == where:
                 raise MemoryError(f"no room for {name}")
             return scratch(prefill_step, name, *args)
 
         monkeypatch.setattr(_prefill, "_scratch", short)
+    elif comm.rank == comm.size - 1:
+        attend, layers = _prefill._attend, []
+
+        def failing(*args):
+            layers.append(1)
+            if len(layers) == 2:
+                raise MemoryError(f"no room for {where}")
+            return attend(*args)
+
+        monkeypatch.setattr(_prefill, "_attend", failing)
     model = tiny_llama(layers=2)
     ids, mask = prompt(23, True)
     cache = mtt.ShardedCache(model.config, block_size=4)
@@ -148,11 +159,38 @@ def test_prefill_out_of_memory_on_one_rank_raises_on_every_rank(buffer, monkeypa
         assert info.type is MemoryError
     else:
         assert info.type is extend.RankError
-        assert f"MemoryError: no room for {buffer}" in str(info.value)
+        assert f"MemoryError: no room for {where}" in str(info.value)
     assert cache.get_seq_length() == 0
     monkeypatch.undo()  # and the next prefill goes through
     mtt.prefill(model, ids, cache, attention_mask=mask)
     assert cache.get_seq_length() == ids.shape[1]
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_sharded_prefill_moves_each_ranks_keys_and_values_once_per_layer(monkeypatch):
+    """Per layer, a rank hands MPI its own keys and values and a one-value flag.
+
+    Not every rank's queries and their partial states, as the route before did:
+    under Llama-3.1-8B's GQA (32 q / 8 kv heads) that was 4x the bytes and a merge.
+    """
+    model = tiny_llama(layers=3)
+    ids, mask = prompt(23, True)
+    cache = mtt.ShardedCache(model.config, block_size=4)
+    model.set_attn_implementation("mpitree")
+    step, moved = _prefill._sharded_step, []
+
+    def counted(*args):
+        before = extend.traffic.bytes
+        step(*args)
+        moved.append(extend.traffic.bytes - before)
+
+    monkeypatch.setattr(_prefill, "_sharded_step", counted)
+    mtt.prefill(model, ids, cache, attention_mask=mask)
+    own = len(_prefill.plan(cache.sharding, 22).mine)  # the last token runs after it
+    assert own and cache.local_length(0) in (own, own + 1)
+    row = 2 * 2 * 2 * 16 * 4  # K and V, batch 2, 2 kv heads, head_dim 16, float32
+    per_layer = own * row + 4  # and the flag (float32)
+    assert 3 * per_layer <= moved[0] <= 3 * per_layer + 64  # + the step's agreement
 
 
 @pytest.mark.parallel(nprocs=[2, 3])

@@ -61,21 +61,21 @@ class CausalPrefill:
 
     Under transformers' causal mask function (with or without padding), query ``i``
     sees key ``j`` iff ``j <= i`` and the padding allows ``j``: the staircase needs
-    no more (:meth:`LayerStep.causal_keys`), and the ``(B, 1, N, T)`` bool mask
+    no more (:meth:`LayerStep.causal_keys`), and the ``(B, 1, N / p, N)`` bool mask
     (8.6 GB per rank at 128K tokens on 2 ranks) is built only if the general kernel
     runs (:attr:`visibility`).
     """
 
     mask: object
-    queries: object  # (N,) int64: every rank's queries, rank-major
-    keys: object  # (T,) int64: this rank's keys
+    queries: object  # (N / p,) int64: this rank's queries
+    keys: object  # (N,) int64: every prompt token (all-gathered), in order
     length: int
     rows: tuple  # (B, Hq)
     # not the View: it holds the Step, whose memo holds this (a cycle that kept a built
     # mask alive past the prefill until the garbage collector ran)
 
     def key_rows(self):
-        """``(B|1, T)`` bool: the keys the padding leaves visible to any later query."""
+        """``(B|1, N)`` bool: the keys the padding leaves visible to any later query."""
         padding = None if self.mask is None else self.mask.padding
         if padding is None:
             return torch.ones(1, self.keys.numel(), dtype=torch.bool)
@@ -95,8 +95,20 @@ def _causal_recipe(mask, view, rows):
     if mask is None or (type(mask) is ShardMask and mask.mask_function is causal_mask_function):
         if mask is not None and mask.batch_size != rows[0]:
             raise ValueError(f"mask built for batch {mask.batch_size}, inputs have {rows[0]}")
-        return CausalPrefill(mask, view.queries, view.layer.positions, view.layer.length, rows)
+        return CausalPrefill(mask, view.queries, view_keys(view), view.layer.length, rows)
     return None
+
+
+def view_keys(view):
+    """Global indices of the keys a step attends over on this rank, in order.
+
+    The rank's shard; under :func:`prefill`, every prompt token (each layer
+    all-gathers the prompt's keys and values, and each rank attends its own queries).
+    """
+    layer = view.layer
+    if view.sharded:
+        return torch.arange(layer.length, device=layer.positions.device)
+    return layer.positions
 
 
 def mask_interface(
@@ -269,8 +281,8 @@ class LayerStep:
         self.agreed, self.signature, self.att = agreed, signature, None
         self.q_len = int(query.shape[2])
 
-    def prepare(self):
-        """Check this layer against the step's agreement; build its :class:`Attention`."""
+    def check(self):
+        """Raise unless this layer matches the step's agreement (and its cache update worked)."""
         if self.view.error is not None:
             raise self.view.error
         if self.signature is not self.agreed.signature and self.signature != self.agreed.signature:
@@ -278,12 +290,19 @@ class LayerStep:
                 f"this layer's attention {self.signature} differs from the step's first layer "
                 f"{self.agreed.signature}"
             )
-        rows = (int(self.query.shape[0]), int(self.query.shape[1]))
+
+    def prepare(self, query=None, key=None, value=None):
+        """Check this layer; build its :class:`Attention` (of other tensors, if given).
+
+        A sharded prefill passes this rank's queries and every rank's keys and values.
+        """
+        self.check()
+        query = self.query if query is None else query
+        key, value = (self.key, self.value) if key is None else (key, value)
+        rows = (int(query.shape[0]), int(query.shape[1]))
         keep = _step_visible(self.agreed.visible, self.mask, self.view, rows)
-        ns = extend.namespace(self.query)
-        self.att = extend.Attention(
-            ns, self.query, self.key, self.value, self.agreed.scale, None, keep
-        )
+        ns = extend.namespace(query)
+        self.att = extend.Attention(ns, query, key, value, self.agreed.scale, None, keep)
         return self.att
 
     def causal_keys(self):
@@ -317,7 +336,7 @@ class LayerStep:
 def _view_visible(mask, view, rows):
     """Return the step's visibility over this rank's shard of ``view``'s layer; rows: (B, Hq)."""
     layer = view.layer
-    return _visible(mask, view.queries, layer.positions, layer.length, *rows, view.sharded)
+    return _visible(mask, view.queries, view_keys(view), layer.length, *rows, view.sharded)
 
 
 def _step_visible(memo, mask, view, rows):
@@ -436,12 +455,12 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, recipe, positi
         problem, opts = checked.payload
         keep = _first_visible(mask, view, (problem.batch, problem.q_heads))
         payload = (opts, history, keep)
-        if view.sharded:  # a sharded prefill merges its own way, with the native op
-            # its buffers, allocated here: running out of memory raises on every rank
+        if view.sharded:  # a sharded prefill gathers keys and values, then attends locally
+            # its buffer, allocated here: running out of memory raises on every rank
             reserve(
-                sharding.pending, (problem.batch, problem.q_heads, problem.head_dim), problem.acc
+                sharding.pending, (problem.batch, problem.kv_heads, problem.head_dim), problem.acc
             )
-            return extend.Call(recipe.signature, payload, op=checked.op)
+            return extend.Call(recipe.signature, payload)
         # the cache's global length and edits: a crop or batch operation on one rank only
         # would merge states of different tokens (the layers' own signature stays as it is)
         cache = {"cached tokens": view.start, "cache edits": sharding.edits}
@@ -479,7 +498,7 @@ def _check_step(query, key, value, scaling, sharding, recipe, sharded):
     )
     payload = (problem, opts)
     if sharded:
-        checked = extend.Call(recipe.signature, payload, op=(problem.acc, problem.head_dim + 2))
+        checked = extend.Call(recipe.signature, payload)
     else:
         merge = (problem.rows, problem.head_dim, problem.acc, opts)
         key = None if recipe.facts is None else ("ShardedCache step", recipe.facts)

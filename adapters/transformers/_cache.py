@@ -219,7 +219,7 @@ class View:
     keys: torch.Tensor  # the very tensor the layer's update returned
     layer: ShardedLayer
     queries: torch.Tensor  # (Sq,) int64 global indices of the queries this rank attends for
-    sharded: bool  # True under :func:`prefill`: queries are every rank's chunk, rank-major
+    sharded: bool  # True under :func:`prefill`: queries are this rank's, keys every rank's
     start: int  # the layer's global length before this step
     step: Step | None = None  # the model step the update belongs to
     error: Exception | None = None  # the cache update failed on this rank: raised in the guard
@@ -379,7 +379,7 @@ class ShardedLayer(CacheLayerMixin):
             if self.length or new != max(step.mine.numel(), 1):  # 1: a stand-in token
                 raise ValueError(f"prefill: got {new} new tokens, expected {step.mine.numel()}")
             stop, self.prompt = step.total, step.total
-            queries, owned = step.queries, step.mine
+            queries = owned = step.mine  # each rank attends its own queries
             take = None
         elif new == 1 and start:  # a decode step: one token, one owner, no index tensors
             queries = self.sharding.token(start, self.device)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from mpi4py import MPI
 
 from mpitree import extend
 
@@ -48,106 +49,86 @@ def _scratch(prefill_step, name, shape, dtype):
 
 
 def reserve(prefill_step, rows, acc):
-    """Return the prefill's buffers for query rows ``(B, Hq, D)`` in ``acc``, allocated once.
+    """Return the prefill's all-gather buffer for key rows ``(B, Hkv, D)`` in ``acc``, made once.
 
-    Returns ``(queries, slots, send, recv)``: every rank's queries, each query's
-    slot in the reduce-scatter's layout, and its two buffers. The step's agreement
-    calls it first, in its local checks, so that running out of memory on one rank
-    raises on every rank there, not in the query all-gather that follows; every
-    layer then finds them (the step's layers share the agreed shapes).
+    Returns ``(N, 2, B, Hkv, D)``: every rank's keys and values, rank-major (the
+    order of ``prefill_step.queries``). The step's agreement calls it first, in its
+    local checks, so that running out of memory on one rank raises on every rank
+    there, not in the all-gather that follows; every layer then finds it (the
+    step's layers share the agreed shapes).
     """
-    counts = prefill_step.counts
-    every = _scratch(prefill_step, "queries", (prefill_step.total, *rows), acc)
-    if "layout" not in prefill_step.scratch:
-        per_rank, slots = extend.scatter_layout(counts)
-        prefill_step.scratch["layout"] = per_rank, torch.from_numpy(slots)
-    per_rank, slots = prefill_step.scratch["layout"]
-    block = (rows[0] * rows[1], rows[2] + 2)
-    send = _scratch(prefill_step, "send", (len(counts), per_rank, *block), acc)
-    recv = _scratch(prefill_step, "recv", (per_rank, *block), acc)
-    return every, slots, send, recv
+    return _scratch(prefill_step, "keys and values", (prefill_step.total, 2, *rows), acc)
 
 
 def sharded_attention(query, step):
-    """Causal attention for every rank's chunk of queries over every rank's keys.
+    """Causal attention for this rank's chunk of queries over every rank's keys.
 
-    Queries are all-gathered (``Allgatherv``, in place); each rank computes the
-    partial states of all of them over its own keys, straight into the
-    reduce-scatter's send buffer; one ``Reduce_scatter_block`` with the native
-    (m, d, n) op hands each rank the merged states of its own queries. A rank whose
+    One ``Allgatherv`` (in place) hands every rank every rank's keys and values;
+    each rank then attends its own queries over all of them, locally and exactly,
+    and one flag all-reduce carries every rank's verdict. Under GQA the keys and
+    values are fewer bytes than the queries and partial states that the merge
+    would move (Llama-3.1-8B: a quarter), and they need no merge. A rank whose
     layer does not match the step's agreement sends zeros and reports its failure
-    in the reduce-scatter, so every rank raises. Returns ``(B, Sq, Hq, D)``.
+    in the flag, so every rank raises. Returns ``(B, Sq, Hq, D)``.
     """
     sharding = step.view.layer.sharding
     prefill_step, comm = sharding.pending, sharding.comm
     b, hq, sq, d = (int(s) for s in query.shape)
     agreed = step.agreed.signature
-    counts, total = prefill_step.counts, prefill_step.total
+    counts = prefill_step.counts
     own = counts[sharding.rank]  # sq, or 0 under a stand-in token
     acc = extend.acc_name(agreed["dtype"])  # agreed: not this layer's own (may differ here)
-    rows = (agreed["batch"], agreed["q_heads"], agreed["head_dim"])
-    every, slots, send, recv = reserve(prefill_step, rows, acc)
+    rows = (agreed["batch"], agreed["kv_heads"], agreed["head_dim"])
+    every = reserve(prefill_step, rows, acc)
     start = sum(counts[: sharding.rank])
     mine = torch.from_numpy(every[start : start + own])
-    problem = None  # raised in fill, so that it rides in the reduce-scatter's flag
+    problem = out = None
     try:
-        if (b, hq, d) != rows or own > sq:
-            raise ValueError(f"prefill: this layer's query {tuple(query.shape)} does not match")
-        mine.copy_(query[:, :, :own].permute(2, 0, 1, 3))
-    except Exception as exc:
+        step.check()
+        key, value = step.key, step.value
+        if own > sq or tuple(key.shape) != (*rows[:2], own, rows[2]) or key.shape != value.shape:
+            raise ValueError(f"prefill: this layer's keys {tuple(key.shape)} do not match")
+        if not torch.equal(step.view.layer.positions.cpu(), prefill_step.mine):
+            raise ValueError("prefill: this rank's cached tokens are not the ones it prefills")
+        mine[:, 0].copy_(key.permute(2, 0, 1, 3))
+        mine[:, 1].copy_(value.permute(2, 0, 1, 3))
+    except Exception as exc:  # its verdict rides in the flag below
         problem = exc
         mine.zero_()
-    extend.allgather_rows(comm, None, counts, int(np.prod(rows)), out=every)
-
-    def fill(out):
-        if problem is not None:
-            raise problem
-        q_all = torch.from_numpy(every).permute(1, 2, 0, 3).to(query.device, query.dtype)
-        att = step.prepare()
-        att.q = q_all
-        keys = step.view.layer.positions
-        # the records in their (slot, batch, head) order, seen as (batch, head, slot)
-        view = torch.from_numpy(out).view(-1, b, hq, d + 2).permute(1, 2, 0, 3)
-        key_ok = None
-        if att.k.shape[2] and np.dtype(acc) == np.float32 and staircase.available(q_all):
-            key_ok = _key_rows(step, prefill_step, att.vis, keys)
-        if key_ok is None:  # windows, per-head masks, float64: the general kernel
-            state = np.empty((b, hq, total, d + 2), dtype=acc)
-            step.built().fill(state)
-            view[:, :, slots] = torch.from_numpy(state)
-        else:
-            staircase.staircase_records(
-                att.q,
-                att.k,
-                att.v,
-                att.scale,
-                prefill_step.queries,
-                keys,
-                key_ok,
-                out=view,
-                out_rows=slots,
-            )
-
-    merged = extend.reduce_scatter_records(comm, send, counts, fill, recv=recv)
-    # finish works row by row: the (query, batch, head) records give (Sq, B, Hq, D)
-    inputs = (query, step.key, step.value)
-    out = extend.finish(merged.reshape(own, b, hq, d + 2), query, inputs=inputs).transpose(0, 1)
+    extend.allgather_rows(comm, None, counts, every[0].size, out=every)
+    if problem is None:
+        try:
+            out = _attend(query[:, :, :own], step, prefill_step, every)
+        except Exception as exc:
+            problem = exc
+    extend.flagged_allreduce(comm, np.zeros(0, np.float32), MPI.MAX, problem)
     return torch.cat([out, out.new_zeros(b, sq - own, hq, d)], 1) if own < sq else out
 
 
-def _key_rows(step, prefill_step, vis, keys):
-    """Return the staircase's key rows under ``vis``, worked out once per visibility object.
-
-    Layers that share a mask share their visibility (one object per step, an unbuilt
-    :class:`~._attention.CausalPrefill` under a causal recipe), so the check runs in
-    the first layer only.
-    """
-    held = prefill_step.scratch.get("key rows")
-    if held is None or held[0] is not vis:
-        known = step.causal_keys()
-        held = vis, staircase.key_rows(vis, prefill_step.queries, keys, known)
-        prefill_step.scratch["key rows"] = held
-    return held[1]
+def _attend(query, step, prefill_step, every):
+    """Return ``(B, Sq, Hq, D)``: ``query`` (this rank's) over every gathered key, exactly."""
+    b, hq, own, d = (int(s) for s in query.shape)
+    if not own:
+        return query.new_zeros(b, 0, hq, d)
+    order = prefill_step.scratch.get("order")
+    if order is None:  # rank-major to global order
+        order = prefill_step.scratch["order"] = torch.argsort(prefill_step.queries)
+    gathered = torch.from_numpy(every)
+    # (B, Hkv, N, D), contiguous, keys in global order (one copy each)
+    k, v = (gathered[:, i].permute(1, 2, 0, 3).index_select(2, order) for i in (0, 1))
+    att = step.prepare(query, k, v)
+    records = torch.empty((b, hq, own, d + 2), dtype=k.dtype).numpy()  # 4 KiB pages
+    known = step.causal_keys()  # None unless the causal recipe: then the staircase applies
+    if known is not None and k.dtype == torch.float32 and staircase.available(query):
+        out = torch.from_numpy(records)
+        keys = torch.arange(k.shape[2])
+        staircase.staircase_records(query, k, v, att.scale, prefill_step.mine, keys, known, out=out)
+    else:  # windows, per-head masks, float64: the general kernel
+        att = step.built()
+        att.k, att.v = (x.to(query.device, step.key.dtype) for x in (k, v))
+        att.fill(records)
+    inputs = (step.query, step.key, step.value)
+    return extend.finish(records, query, layout="bshd", inputs=inputs)
 
 
 def _digest(x):
@@ -164,9 +145,9 @@ def prefill(model, input_ids, cache, attention_mask=None):
     ``model(input_ids, cache=cache)``, and the logits are those of the
     last prompt token. Each rank runs the model only on the prompt tokens its
     placement assigns it (with their true positions), so the dense layers' work
-    is split ``p`` ways; the causal attention across chunks goes through the
-    tree reduction (queries all-gathered, states merged by one
-    ``Reduce_scatter``). The last token then runs as an ordinary step on every
+    is split ``p`` ways; in each layer, every rank's keys and values are
+    all-gathered and each rank attends its own queries over them. The last
+    token then runs as an ordinary step on every
     rank, which hands every rank its logits. A cache in
     ``deterministic="invariant"`` mode runs the whole prompt on every rank instead
     (each stores its own tokens): a dense layer's bits for a token can depend on
@@ -248,7 +229,11 @@ def prefill(model, input_ids, cache, attention_mask=None):
             )
             return out.logits[:, -1]
         if total:
-            _sharded_step(model, input_ids, cache, attention_mask, positions, total)
+            try:
+                _sharded_step(model, input_ids, cache, attention_mask, positions, total)
+            except Exception:  # raised on every rank (a layer's flag): leave the cache empty
+                cache.reset()
+                raise
         cache.sharding.history = positions[:, :total].clone()
         out = model(
             input_ids=input_ids[:, total:],
