@@ -1,12 +1,13 @@
 """Sharded prefill's local attention through torch's fused CPU flash attention.
 
-Under :func:`~._prefill.prefill` a rank computes the partial states of every prompt
-query over its own keys. Its keys are sorted by global index, so the keys a query
-sees (causal: index <= the query's; minus left padding) are a prefix of them that
-grows with the query: a staircase. Queries in chunks of :data:`CHUNK` see a common
-prefix in full (one fused call, no mask but padding) plus a short diagonal band
-(one masked call); the two states merge exactly. Work is the visible pairs only,
-about ``N^2 / (2p)`` per rank, with no ``(N, N/p)`` score matrix. The fused op
+Under :func:`~._prefill.prefill` a rank computes the states of its own prompt
+queries over every prompt key (all-gathered). The keys are sorted by global index,
+so the keys a query sees (causal: index <= the query's; minus left padding) are a
+prefix of them that grows with the query: a staircase. Queries in chunks (of
+:data:`CHUNK` by default) see a common prefix in full (one fused call, no mask but
+padding) plus a short diagonal band (one masked call); the two states merge
+exactly. Work is the visible pairs only, about ``N^2 / (2p)`` per rank, with no
+``(N / p, N)`` score matrix. The fused op
 (``aten::_scaled_dot_product_flash_attention_for_cpu``) returns the natural-log
 log-sum-exp, so its ``(out, lse)`` is the state ``(m, d, n) = (lse, 1, out)``.
 
@@ -29,7 +30,7 @@ import math
 
 import torch
 
-CHUNK = 384  # queries per fused call; its diagonal band costs about CHUNK / p keys each
+CHUNK = 384  # queries per fused call (default); its diagonal band spans about CHUNK keys
 # (16K queries over 8K keys, one thread: 13.1-13.3 s at 384, 13.4-13.6 s at 512)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TAME = 1e38  # a bound on |score| below float32's largest, 3.4e38 (see _tame_keys)
@@ -135,8 +136,8 @@ def _write(out, rows, part, band):
     out[:, :, rows, 2:] = oa.mul_(wa[..., None]).add_(ob.mul_(wb[..., None]))
 
 
-def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=None):
-    """Fill the states of every query over this rank's keys, visible pairs only.
+def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=None, chunk=None):
+    """Fill the states of the queries ``q`` over the keys ``k``, visible pairs only.
 
     Parameters
     ----------
@@ -158,6 +159,8 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=N
         written in place and returned.
     out_rows : torch.Tensor, optional
         ``(Nq,)`` int64: query ``i`` goes to ``out[:, :, out_rows[i]]`` (default ``i``).
+    chunk : int, optional
+        Queries per fused call (default :data:`CHUNK`).
 
     Returns
     -------
@@ -178,7 +181,7 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=N
     dest = order if out_rows is None else out_rows[order]
     if out is None:
         out = torch.empty(b, hq, nq, d + 2, dtype=torch.float32)
-    for start, stop in _chunks(tame, k_idx, key_ok, sorted_idx):
+    for start, stop in _chunks(tame, k_idx, key_ok, sorted_idx, chunk or CHUNK):
         rows = order[start:stop]
         idx = sorted_idx[start:stop]
         lo = int(torch.searchsorted(k_idx, idx[0], right=True))
@@ -228,15 +231,15 @@ def _hide_padding(k, v, key_ok, tame):
     return torch.where(keep, k, 0.0), torch.where(keep, v, 0.0)
 
 
-def _chunks(tame, k_idx, key_ok, sorted_idx):
+def _chunks(tame, k_idx, key_ok, sorted_idx, chunk):
     """Yield ``(start, stop)`` of the sorted queries' chunks.
 
-    A chunk starts every :data:`CHUNK` queries, and where a query first sees a
+    A chunk starts every ``chunk`` queries, and where a query first sees a
     key row that is not tame (``tame``: see :func:`staircase_records`; None: all are):
     no chunk's band then masks one out.
     """
     nq = sorted_idx.numel()
-    cuts = set(range(0, nq, CHUNK))
+    cuts = set(range(0, nq, chunk))
     if tame is not None:
         bad = (~tame & key_ok).any(0)
         cuts.update(torch.searchsorted(sorted_idx, k_idx[bad]).tolist())
