@@ -166,6 +166,31 @@ def test_prefill_out_of_memory_on_one_rank_raises_on_every_rank(where, monkeypat
     assert cache.get_seq_length() == ids.shape[1]
 
 
+@pytest.mark.parallel(nprocs=[1, 2])
+def test_prefill_failing_in_its_last_token_step_leaves_the_cache_empty():
+    """The prompt's last token runs as an ordinary step after the sharded ones: a failure
+    there (on every rank) left the sharded tokens in the cache, and the next prefill
+    refused it as not empty."""
+    model = tiny_llama(layers=2)
+    ids, mask = prompt(23, True)
+    cache = mtt.ShardedCache(model.config, block_size=4)
+    model.set_attn_implementation("mpitree")
+    calls = []
+
+    def fail_second(module, args, out):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the last token's step failed")
+
+    hook = model.model.norm.register_forward_hook(fail_second)
+    with pytest.raises(RuntimeError, match="the last token's step failed"):
+        mtt.prefill(model, ids, cache, attention_mask=mask)
+    assert cache.get_seq_length() == 0 and cache.local_length(0) == 0
+    hook.remove()
+    logits = mtt.prefill(model, ids, cache, attention_mask=mask)
+    assert cache.get_seq_length() == ids.shape[1] and torch.isfinite(logits).all()
+
+
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_sharded_prefill_moves_each_ranks_keys_and_values_once_per_layer(monkeypatch):
     """Per layer, a rank hands MPI its own keys and values and a one-value flag.

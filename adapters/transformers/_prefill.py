@@ -190,6 +190,11 @@ def prefill(model, input_ids, cache, attention_mask=None):
     ValueError, TypeError
         On every rank, when any rank's arguments are invalid (the cache not empty,
         an empty prompt, shapes that do not match) or ranks pass different prompts.
+    Exception
+        On every rank, when a layer fails on any rank (that rank raises its own
+        exception, the others :class:`~mpitree.extend.RankError`); the cache is then
+        left empty. A failure on one rank outside attention (its dense layers) leaves
+        the other ranks waiting in the next layer's collective.
     """
     from ._cache import ShardedCache
 
@@ -222,32 +227,37 @@ def prefill(model, input_ids, cache, attention_mask=None):
         positions = torch.arange(total + 1, device=input_ids.device)[None].expand(batch, -1)
     else:  # generate's rule: count real tokens; padding gets position 0
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-    with torch.no_grad():
-        if cache.sharding.invariant:  # same bits for any p: the dense layers see the same rows
-            out = model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            return out.logits[:, -1]
-        if total:
-            try:
-                _sharded_step(model, input_ids, cache, attention_mask, positions, total)
-            except Exception:  # raised on every rank (a layer's flag): leave the cache empty
-                cache.reset()
-                raise
-        cache.sharding.history = positions[:, :total].clone()
+    try:
+        with torch.no_grad():
+            return _run(model, input_ids, cache, attention_mask, positions, total)
+    except Exception:  # raised on every rank (a flag or a step's guard): leave the cache empty
+        cache.reset()
+        raise
+
+
+def _run(model, input_ids, cache, attention_mask, positions, total):
+    """Run the prompt into ``cache``; return the logits after its last token."""
+    if cache.sharding.invariant:  # same bits for any p: the dense layers see the same rows
         out = model(
-            input_ids=input_ids[:, total:],
+            input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=positions[:, total:],
+            position_ids=positions,
             cache=cache,
             use_cache=True,
             logits_to_keep=1,
         )
+        return out.logits[:, -1]
+    if total:
+        _sharded_step(model, input_ids, cache, attention_mask, positions, total)
+    cache.sharding.history = positions[:, :total].clone()
+    out = model(
+        input_ids=input_ids[:, total:],
+        attention_mask=attention_mask,
+        position_ids=positions[:, total:],
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     return out.logits[:, -1]
 
 
