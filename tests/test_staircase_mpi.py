@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from helpers import world
-from models import prompt, tiny_llama
+from models import VOCAB, positions, prompt, tiny_llama
 from mpitree.adapters.transformers import _attention
 from mpitree.adapters.transformers import _staircase as staircase
 from numpy.testing import assert_allclose, assert_array_equal
@@ -195,10 +195,10 @@ def test_key_rows_accepts_staircases_only():
     assert staircase.key_rows(per_head, q_idx, k_idx) is None
     assert staircase.key_rows(None, q_idx, torch.tensor([2, 1])) is None  # unsorted keys
     assert staircase.key_rows(None, q_idx, k_idx) is None  # all-visible contradicts causality
-    known = torch.tensor([[False, True]])  # a causal recipe's padding: no mask built or read
-    assert staircase.key_rows(None, q_idx, k_idx, known) is known
-    assert staircase.key_rows(None, q_idx, torch.tensor([2, 1]), known) is None  # unsorted
-    assert staircase.key_rows(None, q_idx, torch.tensor([0, 4]), known) is None  # unreached
+    # a rank's own queries over every key: keys past its latest query are seen by none
+    keys = torch.arange(6)
+    later = (keys[None, :] <= q_idx[:, None])[None, None] & torch.tensor([False] + [True] * 5)
+    assert torch.equal(staircase.key_rows(later, q_idx, keys), later[:, 0, 0])
 
 
 @pytest.mark.parallel(nprocs=[1, 2, 3])
@@ -336,3 +336,39 @@ def test_prefill_with_an_infinite_query_equals_the_general_kernel(monkeypatch):
     for fused, general in zip(*got, strict=True):
         assert not np.isnan(general).any()
         assert_allclose(fused, general, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parametrize("window", [64, 6])
+def test_prefill_under_a_window_takes_the_staircase_where_the_window_does_not_cut(
+    window, monkeypatch
+):
+    """A sliding window's mask is built (it is no causal recipe): over a prompt shorter
+    than the window it is still causal, and the fused staircase runs; a window that cuts
+    takes the general kernel. Both equal one process's eager model."""
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=window,
+    )
+    model = transformers.MistralForCausalLM(cfg).eval()
+    ids, mask = prompt(40, True)
+    calls = []
+    fused = staircase.staircase_records
+    monkeypatch.setattr(
+        staircase, "staircase_records", lambda *a, **kw: calls.append(1) or fused(*a, **kw)
+    )
+    cache = mtt.ShardedCache(model.config, block_size=4)
+    model.set_attn_implementation("mpitree")
+    got = mtt.prefill(model, ids, cache, attention_mask=mask)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask, position_ids=positions(mask)).logits[:, -1]
+    assert_allclose(got.numpy(), ref.numpy(), atol=1e-4, rtol=0)
+    assert (world().allreduce(len(calls)) > 0) == (window > ids.shape[1])

@@ -118,10 +118,12 @@ def _attend(query, step, prefill_step, every):
     k, v = (gathered[:, i].permute(1, 2, 0, 3).index_select(2, order) for i in (0, 1))
     att = step.prepare(query, k, v)
     records = torch.empty((b, hq, own, d + 2), dtype=k.dtype).numpy()  # 4 KiB pages
-    known = step.causal_keys()  # None unless the causal recipe: then the staircase applies
-    if known is not None and k.dtype == torch.float32 and staircase.available(query):
+    keys = torch.arange(k.shape[2])
+    known = None
+    if k.dtype == torch.float32 and staircase.available(query):
+        known = _key_rows(step, prefill_step, keys)
+    if known is not None:
         out = torch.from_numpy(records)
-        keys = torch.arange(k.shape[2])
         # interleaved, c of this rank's queries span about c * p positions, and so does a
         # chunk's band: CHUNK // p keeps it at about CHUNK keys (8K on 2 ranks, one
         # thread: 2.98-2.99 s at 192 queries a chunk, 3.07-3.16 s at 384)
@@ -134,6 +136,24 @@ def _attend(query, step, prefill_step, every):
         att.fill(records)
     inputs = (step.query, step.key, step.value)
     return extend.finish(records, query, layout="bshd", inputs=inputs)
+
+
+def _key_rows(step, prefill_step, keys):
+    """Return the staircase's ``(B|1, N)`` key rows of the step's visibility, or None.
+
+    The causal recipe gives them with no mask built. A built mask (a window, which
+    may be causal over a short prompt) is checked once per visibility object: the
+    step's layers share it, so the check runs in the first layer only.
+    """
+    known = step.causal_keys()
+    if known is not None:
+        return known
+    vis = step.built().vis
+    held = prefill_step.scratch.get("key rows")
+    if held is None or held[0] is not vis:
+        held = vis, staircase.key_rows(vis, prefill_step.mine, keys)
+        prefill_step.scratch["key rows"] = held
+    return held[1]
 
 
 def _digest(x):

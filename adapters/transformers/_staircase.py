@@ -41,28 +41,24 @@ def _fused():
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def key_rows(vis, q_idx, k_idx, known=None):
-    """Return the ``(B|1, T)`` keys every later query may see if ``vis`` is a staircase.
+def key_rows(vis, q_idx, k_idx):
+    """Return the ``(B|1, T)`` keys any later query may see if ``vis`` is a staircase.
 
-    ``vis`` is the ``(B|1, 1|H, Nq, T)`` visibility (None: all visible), ``q_idx`` and
-    ``k_idx`` the queries' and keys' global indices. Returns None when ``vis`` is
-    not ``causal & key_ok[b]`` exactly (a window, per-head masks): the caller then
-    takes the general kernel. ``known`` is that ``key_ok`` when the mask's recipe
-    already says so (transformers' causal mask, with padding): ``vis`` is then
-    neither read nor needed.
+    ``vis`` is a built ``(B|1, 1|H, Nq, T)`` visibility (None: all visible), ``q_idx``
+    and ``k_idx`` the queries' and keys' global indices. Returns None when ``vis`` is
+    not ``causal & key_ok[b]`` exactly (a window that cuts, per-head masks): the
+    caller then takes the general kernel. (Under transformers' causal mask the
+    recipe gives ``key_ok`` without building ``vis``: see ``LayerStep.causal_keys``.)
     """
     if k_idx.numel() > 1 and not bool((k_idx[1:] > k_idx[:-1]).all()):
         return None
-    if known is not None:  # a key no query reaches: not a prefill shape
-        return known if int(q_idx.max()) >= int(k_idx.max()) else None
     if vis is None:  # every query sees every key: a staircase only if causality agrees
         everyone = int(k_idx.max()) <= int(q_idx.min())
         return torch.ones(1, k_idx.numel(), dtype=torch.bool) if everyone else None
-    if vis.ndim != 4 or vis.shape[1] != 1:
+    if vis.ndim != 4 or vis.shape[1] != 1 or vis.device.type != "cpu":
         return None
+    # the latest query's row: a key past it is seen by no query, under causality or vis
     last = int(torch.argmax(q_idx))
-    if int(q_idx[last]) < int(k_idx.max()):  # a key no query reaches: not a prefill shape
-        return None
     causal = k_idx[None, :] <= q_idx[:, None]
     ok = vis[:, 0, last, :]
     return ok if torch.equal(vis[:, 0], causal[None] & ok[:, None, :]) else None
