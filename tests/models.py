@@ -24,6 +24,22 @@ def tiny_llama(layers=2):
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
+def tiny_mistral(window):
+    """:func:`tiny_llama`'s shapes as a Mistral with a sliding window of ``window`` tokens."""
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=window,
+    )
+    return transformers.MistralForCausalLM(cfg).eval()
+
+
 def prompt(length, padded, batch=2):
     """Prompt, the same on every rank; row 1 left-padded by 5 when ``padded``."""
     ids = torch.from_numpy(np.random.default_rng(length).integers(1, VOCAB, (batch, length)))

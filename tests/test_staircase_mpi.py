@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from helpers import world
-from models import VOCAB, positions, prompt, tiny_llama
+from models import positions, prompt, tiny_llama, tiny_mistral
 from mpitree.adapters.transformers import _attention
 from mpitree.adapters.transformers import _staircase as staircase
 from numpy.testing import assert_allclose, assert_array_equal
@@ -346,18 +346,7 @@ def test_prefill_under_a_window_takes_the_staircase_where_the_window_does_not_cu
     """A sliding window's mask is built (it is no causal recipe): over a prompt shorter
     than the window it is still causal, and the fused staircase runs; a window that cuts
     takes the general kernel. Both equal one process's eager model."""
-    torch.manual_seed(0)
-    cfg = transformers.MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        sliding_window=window,
-    )
-    model = transformers.MistralForCausalLM(cfg).eval()
+    model = tiny_mistral(window)
     ids, mask = prompt(40, True)
     calls = []
     fused = staircase.staircase_records

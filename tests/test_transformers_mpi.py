@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from helpers import world
-from models import VOCAB, float64_logits, greedy, positions, prompt, tiny_llama
+from models import VOCAB, float64_logits, greedy, positions, prompt, tiny_llama, tiny_mistral
 from mpitree.adapters.transformers import _prefill
 from numpy.testing import assert_allclose
 
@@ -73,8 +73,7 @@ def test_other_model_families_through_the_same_interface(family):
     if family == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape)).eval()
     else:
-        cfg = transformers.MistralConfig(sliding_window=6, **shape)
-        model = transformers.MistralForCausalLM(cfg).eval()
+        model = tiny_mistral(6)
     ids, mask = prompt(21, True)
     ref = generate(model, ids, mask, "eager")
     got = generate(model, ids, mask, "mpitree", mtt.ShardedCache(model.config, block_size=4))
@@ -477,20 +476,7 @@ def test_deepcopy_reuses_a_prefilled_prompt_for_several_continuations():
 @pytest.mark.parametrize("family", ["llama", "mistral-window-6"])
 def test_without_a_sharded_cache_every_rank_attends_locally(family):
     """``use_cache=False`` and transformers' own cache: exact, with no merge."""
-    model = tiny_llama()
-    if family != "llama":
-        torch.manual_seed(0)
-        cfg = transformers.MistralConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            sliding_window=6,
-        )
-        model = transformers.MistralForCausalLM(cfg).eval()
+    model = tiny_llama() if family == "llama" else tiny_mistral(6)
     ids, mask = prompt(19, True)
     real = mask.bool().numpy()  # padded queries see no key: their outputs are arbitrary
     logits = {}
