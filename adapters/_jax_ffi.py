@@ -325,7 +325,20 @@ def _lower_merge(ctx, records, flag, *, host):
     return [merged]
 
 
+def _lower_merge_off_cpu(ctx, records, flag, *, host):
+    """Refuse to compile a merge for an accelerator: the merge and the kernel are host calls."""
+    platforms = ", ".join(ctx.module_context.platforms)
+    raise ValueError(
+        f"mpitree.adapters.jax compiles its merge for the CPU only, and this program is "
+        f"compiled for {platforms}: call tree_decode outside jax.jit (accelerator arrays "
+        "work there), or put the jitted function's inputs on a CPU device "
+        "(jax.device_put(x, jax.devices('cpu')[0])). Every rank must do the same"
+    )
+
+
 mlir.register_lowering(_merge_p, _lower_merge, platform="cpu")
+for _platform in ("cuda", "rocm"):
+    mlir.register_lowering(_merge_p, _lower_merge_off_cpu, platform=_platform)
 
 if "_CALLBACKS" not in globals():  # a reload keeps XLA's registrations and the callbacks they
     _CALLBACKS = (_HANDLER(_attend_handler), _HANDLER(_merge_handler))  # hold for life

@@ -256,15 +256,20 @@ def _grouped(p, x):
     return x.reshape(p.batch, p.kv_heads, -1, *x.shape[3:])
 
 
+def _einsum(spec, a, b):
+    """``jnp.einsum`` at full precision: a GPU's default for float32 is TF32 (about 1e-3 off)."""
+    return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST)
+
+
 def _scores(p, scale, q, k, keep):
     """Scaled logits ``(B, Hkv, G*Sq, T)`` in the accumulation dtype; -inf where not visible."""
-    s = jnp.einsum("bhrd,bhtd->bhrt", _grouped(p, q.astype(p.acc)) * scale, k.astype(p.acc))
+    s = _einsum("bhrd,bhtd->bhrt", _grouped(p, q.astype(p.acc)) * scale, k.astype(p.acc))
     return s if keep is None else jnp.where(keep, s, -jnp.inf)
 
 
 def _dot(probs, v):
     """``probs @ v`` for ``(B, Hkv, R, T)`` and ``(B, Hkv, T, D)``."""
-    return jnp.einsum("bhrt,bhtd->bhrd", probs, v)
+    return _einsum("bhrt,bhtd->bhrd", probs, v)
 
 
 def _weighted(probs, v, keep):
@@ -305,8 +310,13 @@ def _local_records(p, scale, t, q, k, v, keep):
 
 
 def _kernel_applies(t, q):
-    """Whether the forward's local state runs in the C kernel (float32, keys, not switched off)."""
-    return t > 0 and q.dtype == jnp.float32 and os.environ.get(LOCAL_ENV, "kernel") != "xla"
+    """Whether the forward's local state runs in the C kernel (float32, keys, not switched off).
+
+    Not for an array on an accelerator (an eager call): XLA computes its state there.
+    """
+    if t == 0 or q.dtype != jnp.float32 or os.environ.get(LOCAL_ENV, "kernel") == "xla":
+        return False
+    return _traced(q) or all(d.platform == "cpu" for d in q.devices())
 
 
 def _finish(records):
@@ -372,12 +382,12 @@ def _decode_bwd(step, residuals, cotangents):
             vv, kk = (jnp.where(jnp.isfinite(x), x, 0) for x in (vv, kk))
         delta = jnp.sum(do * _grouped(p, out), axis=-1, keepdims=True)
         dlse_rows = _grouped(p, dlse.astype(p.acc))[..., None]
-        ds = probs * (jnp.einsum("bhrd,bhtd->bhrt", do, vv) - delta + dlse_rows)
+        ds = probs * (_einsum("bhrd,bhtd->bhrt", do, vv) - delta + dlse_rows)
         if keep is not None:
             ds = jnp.where(keep, ds, 0)
         qg = _grouped(p, q.astype(p.acc))
-        dv = jnp.einsum("bhrt,bhrd->bhtd", probs, do).astype(v.dtype)
-        dk = (scale * jnp.einsum("bhrt,bhrd->bhtd", ds, qg)).astype(k.dtype)
+        dv = _einsum("bhrt,bhrd->bhtd", probs, do).astype(v.dtype)
+        dk = (scale * _einsum("bhrt,bhrd->bhtd", ds, qg)).astype(k.dtype)
         dq_local = scale * _dot(ds, kk)
     zeros = jnp.zeros((*dq_local.shape[:-1], 2), p.acc)  # m = 0, d = 0: the merge sums n
     rows = jnp.concatenate([zeros, dq_local], -1).reshape(*p.row_shape, -1)

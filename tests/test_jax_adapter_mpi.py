@@ -683,3 +683,16 @@ def test_one_device_per_rank_is_a_clear_error():
     assert "RAISED mpitree.adapters.jax runs on one device per rank; this program spans 2" in (
         run.stdout
     ), run.stdout + run.stderr
+
+
+@pytest.mark.parallel(nprocs=[1, 2])
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_a_program_compiled_for_an_accelerator_is_a_clear_error(platform):
+    """Lowered for a GPU (as jax.jit does for GPU inputs), the merge raises a ValueError
+    saying the CPU only, on every rank alike; no collective is entered (tests/test_cuda_mpi.py
+    runs the real GPU)."""
+    q, k = jnp.ones((1, 4, 1, 8)), jnp.ones((1, 2, 5, 8))
+    traced = jax.jit(mj.tree_decode).trace(q, k, k)
+    with pytest.raises(ValueError, match=f"CPU only, and this program is compiled for {platform}"):
+        traced.lower(lowering_platforms=(platform,))
+    assert_allclose(np.asarray(jax.jit(mj.tree_decode)(q, k, k)), 1.0)  # the ranks still agree
