@@ -212,6 +212,10 @@ class NumpyLike:
         """Return ``outputs``: numpy and CuPy have no autograd (JAX tracers never get here)."""
         return outputs
 
+    def fused_records(self, q, k, v, scale):
+        """Return records from a fused attention kernel: none here (numpy, CuPy, JAX)."""
+        return None
+
     def pinned_empty(self, shape, name, like=None):
         """Return a host numpy array for staging device data (page-locked where that helps)."""
         if self.name == "cupy":
@@ -387,6 +391,37 @@ class Torch:
         out = self.t.from_numpy(a)
         return out if like is None or like.device.type == "cpu" else out.to(like.device)
 
+    def fused_records(self, q, k, v, scale):
+        """Return float32 records of q over every key from torch's fused flash kernel, or None.
+
+        For half-precision CUDA tensors whose head dimension (a multiple of 8, at most
+        256) and GPU (compute capability 8.0 or later) the kernel takes; None
+        elsewhere. The GQA group is folded into the query rows, so K and V are read
+        once. The kernel accumulates in float32 and gives its output rounded to q's
+        dtype and a float32 natural-log lse: the records are ``[lse, 1, out]``, and a
+        row whose lse is -inf (every score -inf) is the empty state. A result with a
+        NaN or infinity in it (from non-finite inputs) is dropped: None, so that the
+        caller's matmuls give the NaN pattern :func:`reference_attention` gives.
+        """
+        t = self.t
+        if q.device.type != "cuda" or q.dtype not in (t.float16, t.bfloat16):
+            return None
+        b, hq, sq, d = (int(s) for s in q.shape)
+        hkv = int(k.shape[1])
+        if d % 8 or d > 256 or any(x.stride(-1) != 1 for x in (q, k, v)):
+            return None
+        if not _flash_capable(t, q.device):
+            return None
+        folded = q.reshape(b, hkv, hq // hkv * sq, d)
+        flash = t.ops.aten._scaled_dot_product_flash_attention
+        out, lse = flash(folded, k, v, scale=scale)[:2]
+        if not bool(t.isfinite(out).all() & (lse < float("inf")).all()):
+            return None  # a non-finite input met: the matmul path gives its exact pattern
+        lse = lse.reshape(b, hq, sq, 1)
+        seen = lse != -float("inf")
+        n = t.where(seen, out.reshape(b, hq, sq, d).float(), 0)
+        return t.cat([lse, seen.float(), n], -1)
+
     def pinned_empty(self, shape, name, like=None):
         """Return a host numpy array for staging ``like``'s device data (pinned for CUDA)."""
         pin = like is not None and like.device.type == "cuda"
@@ -407,6 +442,17 @@ class Torch:
         if not needing:
             return outputs
         return _refused(self.t).apply(len(outputs), *outputs, *needing)[: len(outputs)]
+
+
+_FLASH = {}  # a CUDA device -> whether torch's flash kernel runs on it (looked up once)
+
+
+def _flash_capable(torch, device):
+    """Whether ``device``'s compute capability (8.0 or later) runs torch's flash kernel."""
+    key = (torch, device)
+    if key not in _FLASH:
+        _FLASH[key] = torch.cuda.get_device_capability(device)[0] >= 8
+    return _FLASH[key]
 
 
 NO_GRADIENT = (
