@@ -1,0 +1,145 @@
+"""A decode step's local attention on a CUDA GPU against the read floor, side by side in one run.
+
+Llama-3.1-8B layer shapes (32 query heads, 8 KV heads, D = 128, bfloat16 by default),
+one query token, ``--tokens`` keys on this rank. Measured in one interleaved loop
+with CUDA events (median of ``--steps`` after ``--warmup``):
+
+- ``copy``: a device-to-device copy of K and V (read + write bytes): the card's
+  bandwidth as this run finds it; the read floor is K+V bytes over it;
+- ``records``: ``mpitree.adapters.torch.local_state`` (the records mpitree merges);
+- ``sdpa``: torch's fused ``scaled_dot_product_attention`` (GQA), output only, no lse;
+- ``flash_lse``: torch's flash-attention op with its log-sum-exp, the GQA group folded
+  into the query rows (what records from a fused kernel would cost: out and lse);
+- ``tree_decode``: the whole ``mpitree.tree_decode`` call (local state, staging the
+  records to the host, the merge, the output back on the device);
+- ``plan``: ``DecodePlan.decode``, the same step through a plan.
+
+Each row's error is against ``mpitree.reference_attention`` in float64 on the same
+(rounded) inputs, over the whole sequence. Under ``mpiexec -n P`` every rank holds
+``--tokens`` keys (the ranks may share one GPU: then they run concurrently and each
+rank's times include the others' load); rank 0 prints the slowest rank's medians.
+
+    python benchmarks/gpu_decode.py --tokens 131072
+    mpiexec -n 2 python benchmarks/gpu_decode.py --tokens 65536
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+from mpi4py import MPI
+from mpitree.adapters import torch as mt
+
+import mpitree
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def timed(fn, steps, warmup):
+    """Return the CUDA-event times of ``fn`` in ms, one per step, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return times
+
+
+def flash_lse(q, k, v):
+    """Return (out, lse) of torch's flash-attention op with the GQA group folded into rows."""
+    b, hq, sq, dim = q.shape
+    hkv = k.shape[1]
+    folded = q.reshape(b, hkv, hq // hkv * sq, dim)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(folded, k, v, scale=dim**-0.5)[:2]
+    return out.reshape(b, hq, sq, dim), lse.reshape(b, hq, sq)
+
+
+def main():
+    """Time every method in one interleaved loop; rank 0 prints the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=131072, help="keys per rank")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    parser.add_argument("--heads", default="32,8", help="query heads, KV heads")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    comm = MPI.COMM_WORLD
+    dtype = DTYPES[args.dtype]
+    hq, hkv = (int(x) for x in args.heads.split(","))
+    dim, n = 128, args.tokens
+    torch.manual_seed(comm.rank)
+    gen = np.random.default_rng(0)
+    q = torch.from_numpy(gen.standard_normal((1, hq, 1, dim))).to("cuda", dtype)
+    k = torch.randn(1, hkv, n, dim, device="cuda", dtype=dtype)
+    v = torch.randn(1, hkv, n, dim, device="cuda", dtype=dtype)
+    scratch = [torch.empty_like(k), torch.empty_like(v)]
+    nbytes = k.numel() * k.element_size() * 2
+    plan = mpitree.DecodePlan(1, hq, hkv, dim, dtype=dtype, comm=comm)
+
+    def copy():
+        scratch[0].copy_(k)
+        scratch[1].copy_(v)
+
+    methods = {
+        "copy": copy,
+        "records": lambda: mt.local_state(q, k, v),
+        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        "flash_lse": lambda: flash_lse(q, k, v),  # half precision only
+        "tree_decode": lambda: mpitree.tree_decode(q, k, v, comm=comm),
+        "plan": lambda: plan.decode(q, k, v),
+    }
+    if dtype == torch.float32:
+        del methods["flash_lse"]
+    times = {name: [] for name in methods}
+    for _ in range(3):  # rounds: every method once in turn, so drifts touch all alike
+        for name, fn in methods.items():
+            comm.Barrier()
+            times[name] += timed(fn, args.steps, args.warmup)
+    med = {name: comm.allreduce(float(np.median(t)), op=MPI.MAX) for name, t in times.items()}
+
+    # exactness: every rank's shard gathered to rank 0 for the float64 reference
+    shards = comm.gather((k.double().cpu().numpy(), v.double().cpu().numpy()), root=0)
+    outs = {
+        "records": mpitree.State(mt.local_state(q, k, v).double().cpu().numpy()).output(),
+        "sdpa": torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        "tree_decode": mpitree.tree_decode(q, k, v, comm=comm),
+        "plan": plan.decode(q, k, v),
+    }
+    lse_err = float("nan")
+    if "flash_lse" in methods:
+        outs["flash_lse"], lse = flash_lse(q, k, v)
+        records_lse = torch.from_numpy(mpitree.local_state(q, k, v).lse())
+        lse_err = float((lse.cpu() - records_lse).abs().max())
+    plan.free()
+    if comm.rank:
+        return
+    q64 = q.double().cpu().numpy()
+    ref_local = mpitree.reference_attention(q64, *shards[0])[0]
+    whole = (np.concatenate(x, axis=2) for x in zip(*shards, strict=True))
+    ref = mpitree.reference_attention(q64, *whole)[0]
+    err = {}
+    for name, out in outs.items():
+        got = out if isinstance(out, np.ndarray) else out.double().cpu().numpy()
+        merged = name in ("tree_decode", "plan")
+        err[name] = float(np.abs(got - (ref if merged else ref_local)).max())
+    bw = 2 * nbytes / med["copy"] / 1e6  # GB/s, read + write
+    floor = nbytes / bw / 1e6  # ms
+    name = torch.cuda.get_device_name()
+    print(f"{name}; {comm.size} rank(s); {hq}/{hkv} heads, D {dim}, {n} {args.dtype} keys per rank")
+    print(f"K+V per rank {nbytes / 1e6:.1f} MB; copy {bw:.0f} GB/s; read floor {floor:.4f} ms")
+    print(f"flash_lse: max |lse - records' lse| {lse_err:.2e}")
+    print(f"{'method':<12} {'median ms':>10} {'x floor':>8} {'max |err|':>10}")
+    for key, t in med.items():
+        e = f"{err[key]:.2e}" if key in err else "-"
+        print(f"{key:<12} {t:>10.4f} {t / floor:>8.2f} {e:>10}")
+
+
+if __name__ == "__main__":
+    main()
