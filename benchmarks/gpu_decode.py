@@ -15,7 +15,9 @@ with CUDA events (median of ``--steps`` after ``--warmup``):
 - ``plan``: ``DecodePlan.decode``, the same step through a plan.
 
 Each row's error is against ``mpitree.reference_attention`` in float64 on the same
-(rounded) inputs, over the whole sequence. Under ``mpiexec -n P`` every rank holds
+(rounded) inputs: the local rows over this rank's keys, the merged ones over the whole
+sequence (``--kv-len``: mpitree's calls see each shard's first T - 1 keys, and so does
+their reference). Under ``mpiexec -n P`` every rank holds
 ``--tokens`` keys (the ranks may share one GPU: then they run concurrently and each
 rank's times include the others' load); rank 0 prints the slowest rank's medians.
 
@@ -67,21 +69,27 @@ def main():
     parser.add_argument("--tokens", type=int, default=131072, help="keys per rank")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument("--heads", default="32,8", help="query heads, KV heads")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument(
+        "--kv-len", action="store_true", help="pass kv_len = T - 1 per row to mpitree's calls"
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     dtype = DTYPES[args.dtype]
     hq, hkv = (int(x) for x in args.heads.split(","))
-    dim, n = 128, args.tokens
+    b, dim, n = args.batch, 128, args.tokens
     torch.manual_seed(comm.rank)
     gen = np.random.default_rng(0)
-    q = torch.from_numpy(gen.standard_normal((1, hq, 1, dim))).to("cuda", dtype)
-    k = torch.randn(1, hkv, n, dim, device="cuda", dtype=dtype)
-    v = torch.randn(1, hkv, n, dim, device="cuda", dtype=dtype)
+    q = torch.from_numpy(gen.standard_normal((b, hq, 1, dim))).to("cuda", dtype)
+    k = torch.randn(b, hkv, n, dim, device="cuda", dtype=dtype)
+    v = torch.randn(b, hkv, n, dim, device="cuda", dtype=dtype)
     scratch = [torch.empty_like(k), torch.empty_like(v)]
     nbytes = k.numel() * k.element_size() * 2
-    plan = mpitree.DecodePlan(1, hq, hkv, dim, dtype=dtype, comm=comm)
+    plan = mpitree.DecodePlan(b, hq, hkv, dim, dtype=dtype, comm=comm)
+    seen = n - 1 if args.kv_len else n  # keys mpitree's calls attend to, per row
+    kw = {"kv_len": torch.full((b,), seen, dtype=torch.int32, device="cuda")} if args.kv_len else {}
 
     def copy():
         scratch[0].copy_(k)
@@ -89,11 +97,11 @@ def main():
 
     methods = {
         "copy": copy,
-        "records": lambda: mt.local_state(q, k, v),
+        "records": lambda: mt.local_state(q, k, v, **kw),
         "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         "flash_lse": lambda: flash_lse(q, k, v),  # half precision only
-        "tree_decode": lambda: mpitree.tree_decode(q, k, v, comm=comm),
-        "plan": lambda: plan.decode(q, k, v),
+        "tree_decode": lambda: mpitree.tree_decode(q, k, v, comm=comm, **kw),
+        "plan": lambda: plan.decode(q, k, v, **kw),
     }
     if dtype == torch.float32:
         del methods["flash_lse"]
@@ -107,38 +115,43 @@ def main():
     # exactness: every rank's shard gathered to rank 0 for the float64 reference
     shards = comm.gather((k.double().cpu().numpy(), v.double().cpu().numpy()), root=0)
     outs = {
-        "records": mpitree.State(mt.local_state(q, k, v).double().cpu().numpy()).output(),
+        "records": mpitree.State(mt.local_state(q, k, v, **kw).double().cpu().numpy()).output(),
         "sdpa": torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-        "tree_decode": mpitree.tree_decode(q, k, v, comm=comm),
-        "plan": plan.decode(q, k, v),
+        "tree_decode": mpitree.tree_decode(q, k, v, comm=comm, **kw),
+        "plan": plan.decode(q, k, v, **kw),
     }
-    lse_err = float("nan")
     if "flash_lse" in methods:
-        outs["flash_lse"], lse = flash_lse(q, k, v)
-        records_lse = torch.from_numpy(mpitree.local_state(q, k, v).lse())
-        lse_err = float((lse.cpu() - records_lse).abs().max())
+        outs["flash_lse"] = flash_lse(q, k, v)[0]
     plan.free()
     if comm.rank:
         return
     q64 = q.double().cpu().numpy()
-    ref_local = mpitree.reference_attention(q64, *shards[0])[0]
-    whole = (np.concatenate(x, axis=2) for x in zip(*shards, strict=True))
-    ref = mpitree.reference_attention(q64, *whole)[0]
+    refs = {  # (whole sequence, rank 0's shard) over every key, and over the keys mpitree sees
+        "all": [mpitree.reference_attention(q64, *kv)[0] for kv in _whole_and_own(shards, n)],
+        "seen": [mpitree.reference_attention(q64, *kv)[0] for kv in _whole_and_own(shards, seen)],
+    }
     err = {}
     for name, out in outs.items():
         got = out if isinstance(out, np.ndarray) else out.double().cpu().numpy()
-        merged = name in ("tree_decode", "plan")
-        err[name] = float(np.abs(got - (ref if merged else ref_local)).max())
+        whole, own = refs["all" if name in ("sdpa", "flash_lse") else "seen"]
+        err[name] = float(np.abs(got - (whole if name in ("tree_decode", "plan") else own)).max())
     bw = 2 * nbytes / med["copy"] / 1e6  # GB/s, read + write
     floor = nbytes / bw / 1e6  # ms
-    name = torch.cuda.get_device_name()
-    print(f"{name}; {comm.size} rank(s); {hq}/{hkv} heads, D {dim}, {n} {args.dtype} keys per rank")
+    print(
+        f"{torch.cuda.get_device_name()}; {comm.size} rank(s); batch {b}, {hq}/{hkv} heads, "
+        f"D {dim}, {n} {args.dtype} keys per rank" + (f", kv_len {seen}" if args.kv_len else "")
+    )
     print(f"K+V per rank {nbytes / 1e6:.1f} MB; copy {bw:.0f} GB/s; read floor {floor:.4f} ms")
-    print(f"flash_lse: max |lse - records' lse| {lse_err:.2e}")
     print(f"{'method':<12} {'median ms':>10} {'x floor':>8} {'max |err|':>10}")
     for key, t in med.items():
         e = f"{err[key]:.2e}" if key in err else "-"
         print(f"{key:<12} {t:>10.4f} {t / floor:>8.2f} {e:>10}")
+
+
+def _whole_and_own(shards, keys):
+    """Return ((K, V) of every rank's first ``keys`` keys concatenated, rank 0's (K, V))."""
+    cut = [(k[:, :, :keys], v[:, :, :keys]) for k, v in shards]
+    return tuple(np.concatenate(x, axis=2) for x in zip(*cut, strict=True)), cut[0]
 
 
 if __name__ == "__main__":

@@ -70,8 +70,8 @@ def state_records(ns, q, k, v, scale, lens, vis, acc):
     """Return the ``(B, Hq, Sq, D + 2)`` records of q over k, v in namespace ``ns``, dtype ``acc``.
 
     Grouped matmuls (GQA without repeating K/V); functional, so it serves numpy,
-    CuPy (cuBLAS), torch (any device) and JAX alike. Where every key is seen (no
-    ``lens``, no ``vis``), half-precision CUDA tensors take the namespace's fused
+    CuPy (cuBLAS), torch (any device) and JAX alike. Where no ``vis`` masks keys
+    (``lens`` at most), half-precision CUDA tensors take the namespace's fused
     kernel instead (``fused_records``: torch's flash attention, K and V read once).
     """
     b, hq, sq, dim = (int(s) for s in q.shape)
@@ -80,8 +80,8 @@ def state_records(ns, q, k, v, scale, lens, vis, acc):
     if t == 0:
         empty = ns.full((b, hq, sq, 1), -np.inf, acc, like=q)
         return ns.concat([empty, ns.full((b, hq, sq, dim + 1), 0, acc, like=q)], -1)
-    if lens is None and vis is None and acc == "float32":  # every key seen: a fused kernel
-        fused = ns.fused_records(q, k, v, scale)
+    if vis is None and acc == "float32":  # no mask (kv_len at most): a fused kernel
+        fused = ns.fused_records(q, k, v, scale, lens)
         if fused is not None:
             return fused
     keep = grouped_keep(ns, lens, vis, q, k)

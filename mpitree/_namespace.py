@@ -212,7 +212,7 @@ class NumpyLike:
         """Return ``outputs``: numpy and CuPy have no autograd (JAX tracers never get here)."""
         return outputs
 
-    def fused_records(self, q, k, v, scale):
+    def fused_records(self, q, k, v, scale, lens=None):
         """Return records from a fused attention kernel: none here (numpy, CuPy, JAX)."""
         return None
 
@@ -391,36 +391,52 @@ class Torch:
         out = self.t.from_numpy(a)
         return out if like is None or like.device.type == "cpu" else out.to(like.device)
 
-    def fused_records(self, q, k, v, scale):
-        """Return float32 records of q over every key from torch's fused flash kernel, or None.
+    def fused_records(self, q, k, v, scale, lens=None):
+        """Return float32 records of q over k, v from torch's fused flash kernel, or None.
 
         For half-precision CUDA tensors whose head dimension (a multiple of 8, at most
         256) and GPU (compute capability 8.0 or later) the kernel takes; None
         elsewhere. The GQA group is folded into the query rows, so K and V are read
-        once. The kernel accumulates in float32 and gives its output rounded to q's
-        dtype and a float32 natural-log lse: the records are ``[lse, 1, out]``, and a
-        row whose lse is -inf (every score -inf) is the empty state. A result with a
-        NaN or infinity in it (from non-finite inputs) is dropped: None, so that the
+        once. With ``lens`` (int ``(B,)``, in ``[0, T]``) each batch row is one call
+        over its first ``lens[b]`` keys only: what lies past them is never read. The
+        kernel accumulates in float32 and gives its output rounded to q's dtype and a
+        float32 natural-log lse: the records are ``[lse, 1, out]``, and a row whose lse
+        is -inf (every score -inf, or no key) is the empty state. A result with a NaN
+        or infinity in it (from non-finite inputs) is dropped: None, so that the
         caller's matmuls give the NaN pattern :func:`reference_attention` gives.
         """
         t = self.t
         if q.device.type != "cuda" or q.dtype not in (t.float16, t.bfloat16):
             return None
-        b, hq, sq, d = (int(s) for s in q.shape)
-        hkv = int(k.shape[1])
+        d = int(q.shape[3])
         if d % 8 or d > 256 or any(x.stride(-1) != 1 for x in (q, k, v)):
             return None
         if not _flash_capable(t, q.device):
             return None
+        if lens is None:
+            out, lse = self._flash(q, k, v, scale)
+        else:
+            parts = [
+                self._flash(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], scale)
+                for i, n in enumerate(lens.tolist())
+            ]
+            out, lse = (t.cat(x, 0) for x in zip(*parts, strict=True))
+        if not bool(t.isfinite(out).all() & (lse < float("inf")).all()):
+            return None  # a non-finite input met: the matmul path gives its exact pattern
+        seen = lse != -float("inf")
+        return t.cat([lse, seen.float(), t.where(seen, out.float(), 0)], -1)
+
+    def _flash(self, q, k, v, scale):
+        """Return (out ``(B, Hq, Sq, D)`` in q's dtype, lse ``(B, Hq, Sq, 1)`` float32)."""
+        t = self.t
+        b, hq, sq, d = (int(s) for s in q.shape)
+        hkv, keys = int(k.shape[1]), int(k.shape[2])
+        if keys == 0:
+            return t.zeros_like(q), t.full((b, hq, sq, 1), -float("inf"), device=q.device)
         folded = q.reshape(b, hkv, hq // hkv * sq, d)
         flash = t.ops.aten._scaled_dot_product_flash_attention
         out, lse = flash(folded, k, v, scale=scale)[:2]
-        if not bool(t.isfinite(out).all() & (lse < float("inf")).all()):
-            return None  # a non-finite input met: the matmul path gives its exact pattern
-        lse = lse.reshape(b, hq, sq, 1)
-        seen = lse != -float("inf")
-        n = t.where(seen, out.reshape(b, hq, sq, d).float(), 0)
-        return t.cat([lse, seen.float(), n], -1)
+        return out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq, 1)
 
     def pinned_empty(self, shape, name, like=None):
         """Return a host numpy array for staging ``like``'s device data (pinned for CUDA)."""

@@ -17,6 +17,7 @@ from test_torch_adapter_mpi import CASES, DTYPES, STRATEGIES
 from test_torch_adapter_mpi import run as run_torch
 
 import mpitree
+from mpitree._namespace import namespace
 
 pytestmark = pytest.mark.cuda
 
@@ -65,6 +66,9 @@ def test_decode_plan_over_a_growing_cuda_cache(dtype):
             kv_len = torch.full((b,), mine, dtype=torch.int32, device="cuda")
             out = plan.decode(q64.to("cuda", dtype), k, v, kv_len=kv_len)
             assert out.device.type == "cuda" and out.dtype == dtype
+            if dtype == torch.bfloat16:  # the fused kernel answers, over each row's kv_len keys
+                fused = namespace(k).fused_records(q64.to("cuda", dtype), k, v, d**-0.5, kv_len)
+                assert fused is not None and torch.isfinite(fused[..., 1:]).all()
             keep = np.concatenate([np.arange(r * cap, r * cap + n) for r, n in enumerate(held)])
             ref, _ = mpitree.reference_attention(q64.numpy(), k_all[:, :, keep], v_all[:, :, keep])
             assert_allclose(out.double().cpu().numpy(), ref, atol=tol, rtol=0)
@@ -140,8 +144,6 @@ def test_fused_kernel_gives_the_references_values_and_nan_pattern(dtype, poison)
         lfin = np.isfinite(ref_lse)
         assert_allclose(got_lse[lfin], ref_lse[lfin], rtol=1e-5, atol=1e-4)
     if poison == "clean" and k.shape[2]:  # the fused kernel answered
-        from mpitree._namespace import namespace
-
         assert namespace(on[0]).fused_records(*on, 0.125) is not None
 
 
