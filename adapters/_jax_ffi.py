@@ -283,7 +283,10 @@ _merge_p.def_effectful_abstract_eval(
 def _merge_now(records, flag, *, host):
     """Run a merge outside a compiled program, after the merges already dispatched."""
     jax.effects_barrier()
-    return jnp.asarray(host(np.asarray(records), np.asarray(flag)))
+    merged = host(np.asarray(records), np.asarray(flag))
+    if isinstance(records, jax.Array) and records.committed:  # back where the records were
+        return jax.device_put(merged, records.sharding)
+    return jnp.asarray(merged)
 
 
 def _devices(axis_context):

@@ -312,11 +312,14 @@ def _local_records(p, scale, t, q, k, v, keep):
 def _kernel_applies(t, q):
     """Whether the forward's local state runs in the C kernel (float32, keys, not switched off).
 
-    Not for an array on an accelerator (an eager call): XLA computes its state there.
+    Only on the CPU (the kernel is a host call): an array's own devices, or for a
+    traced value JAX's default backend. On an accelerator XLA computes the state.
     """
     if t == 0 or q.dtype != jnp.float32 or os.environ.get(LOCAL_ENV, "kernel") == "xla":
         return False
-    return _traced(q) or all(d.platform == "cpu" for d in q.devices())
+    if isinstance(q, jax.core.Tracer):
+        return jax.default_backend() == "cpu"
+    return all(d.platform == "cpu" for d in q.devices())
 
 
 def _finish(records):
@@ -334,14 +337,34 @@ def _forward(step, q, k, v, aux):
     """Return the merged output ``(B, Hq, Sq, D)`` and lse ``(B, Hq, Sq)`` (accumulation dtype)."""
     lens, vis, flag = aux
     p, scale = step.problem, step.opts.scale
-    if _kernel_applies(step.t, q):  # in range: a bad kv_len raises at the agreement
-        inside = None if lens is None else jnp.clip(lens, 0, step.t).astype(jnp.int32)
-        records, failed = _jax_ffi.records(q, k, v, scale, inside, vis)
-        flag = flag | failed  # a kernel error rides in the agreement
-    else:
+
+    def local():
+        if _kernel_applies(step.t, q):  # in range: a bad kv_len raises at the agreement
+            inside = None if lens is None else jnp.clip(lens, 0, step.t).astype(jnp.int32)
+            records, failed = _jax_ffi.records(q, k, v, scale, inside, vis)
+            return records, flag | failed, ()  # a kernel error rides in the agreement
         keep = _grouped_keep(p, step.t, lens, vis)
-        records = _local_records(p, scale, step.t, q, k, v, keep)
+        return _local_records(p, scale, step.t, q, k, v, keep), flag, ()
+
+    step, records, flag, _ = _local_part(step, local, (q, k, v, aux))
     return _finish(_collective(step, "forward", records, flag, (q, k, v, aux)))
+
+
+def _local_part(step, local, context):
+    """Return ``(step, records, flag, extra)`` of ``local()``; eagerly, its error rides along.
+
+    An eager call runs its local part at once (on an accelerator too: an out-of-memory
+    there, say); an error in it becomes the step's verdict, and the merge that
+    follows raises it on every rank instead of leaving the others in the merge.
+    Traced, the program's own checks and the trace guard in :func:`_attend` apply.
+    """
+    if _traced(context):
+        return (step, *local())
+    try:
+        return (step, *jax.block_until_ready(local()))
+    except Exception as exc:  # the merge raises it; ``extra`` is never read then
+        placeholder = jnp.zeros((1, 3), jnp.float32), jnp.zeros((), jnp.int32), (None, None)
+        return (dataclasses.replace(step, error=exc), *placeholder)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -368,30 +391,36 @@ def _decode_bwd(step, residuals, cotangents):
     lens, vis, flag = aux
     p, scale = step.problem, step.opts.scale
     dout, dlse = cotangents
-    keep = _grouped_keep(p, step.t, lens, vis)
-    do = _grouped(p, dout.astype(p.acc))
-    if step.t == 0:
-        dq_local = jnp.zeros_like(do)
-        dk, dv = jnp.zeros_like(k), jnp.zeros_like(v)
-    else:
-        big_l = _grouped(p, lse)[..., None]
-        s = _scores(p, scale, q, k, keep)
-        probs = jnp.where(jnp.isneginf(big_l), 0, jnp.exp(s - big_l))
-        vv, kk = v.astype(p.acc), k.astype(p.acc)
-        if keep is not None:  # unused slots may hold NaN/Inf: they get, and give, nothing
-            vv, kk = (jnp.where(jnp.isfinite(x), x, 0) for x in (vv, kk))
-        delta = jnp.sum(do * _grouped(p, out), axis=-1, keepdims=True)
-        dlse_rows = _grouped(p, dlse.astype(p.acc))[..., None]
-        ds = probs * (_einsum("bhrd,bhtd->bhrt", do, vv) - delta + dlse_rows)
-        if keep is not None:
-            ds = jnp.where(keep, ds, 0)
-        qg = _grouped(p, q.astype(p.acc))
-        dv = _einsum("bhrt,bhrd->bhtd", probs, do).astype(v.dtype)
-        dk = (scale * _einsum("bhrt,bhrd->bhtd", ds, qg)).astype(k.dtype)
-        dq_local = scale * _dot(ds, kk)
-    zeros = jnp.zeros((*dq_local.shape[:-1], 2), p.acc)  # m = 0, d = 0: the merge sums n
-    rows = jnp.concatenate([zeros, dq_local], -1).reshape(*p.row_shape, -1)
-    summed = _collective(step, "backward", rows, flag, (q, k, v, aux, dout, dlse))
+
+    def local():
+        keep = _grouped_keep(p, step.t, lens, vis)
+        do = _grouped(p, dout.astype(p.acc))
+        if step.t == 0:
+            dq_local = jnp.zeros_like(do)
+            dk, dv = jnp.zeros_like(k), jnp.zeros_like(v)
+        else:
+            big_l = _grouped(p, lse)[..., None]
+            s = _scores(p, scale, q, k, keep)
+            probs = jnp.where(jnp.isneginf(big_l), 0, jnp.exp(s - big_l))
+            vv, kk = v.astype(p.acc), k.astype(p.acc)
+            if keep is not None:  # unused slots may hold NaN/Inf: they get, and give, nothing
+                vv, kk = (jnp.where(jnp.isfinite(x), x, 0) for x in (vv, kk))
+            delta = jnp.sum(do * _grouped(p, out), axis=-1, keepdims=True)
+            dlse_rows = _grouped(p, dlse.astype(p.acc))[..., None]
+            ds = probs * (_einsum("bhrd,bhtd->bhrt", do, vv) - delta + dlse_rows)
+            if keep is not None:
+                ds = jnp.where(keep, ds, 0)
+            qg = _grouped(p, q.astype(p.acc))
+            dv = _einsum("bhrt,bhrd->bhtd", probs, do).astype(v.dtype)
+            dk = (scale * _einsum("bhrt,bhrd->bhtd", ds, qg)).astype(k.dtype)
+            dq_local = scale * _dot(ds, kk)
+        zeros = jnp.zeros((*dq_local.shape[:-1], 2), p.acc)  # m = 0, d = 0: the merge sums n
+        rows = jnp.concatenate([zeros, dq_local], -1).reshape(*p.row_shape, -1)
+        return rows, flag, (dk, dv)
+
+    context = (q, k, v, aux, dout, dlse)
+    step, rows, flag, (dk, dv) = _local_part(step, local, context)
+    summed = _collective(step, "backward", rows, flag, context)
     dq = summed[..., 2:].reshape(q.shape).astype(q.dtype)
     return dq, dk, dv, (None, None, None)
 

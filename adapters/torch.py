@@ -6,10 +6,12 @@ This module adds what only torch users need: :func:`local_state` returning the
 records as a tensor on the tensors' device, and :func:`cuda_aware`.
 
 Local attention: float32 CPU tensors run the compiled kernel on memory shared
-with numpy (no copy); other dtypes and devices run grouped torch matmuls on the
-tensors' device (float32 accumulation, float64 for float64; GQA without
-repeating K/V). CUDA records are staged through a pinned host buffer for the
-merge (MPI runs user-defined reductions on the host).
+with numpy (no copy); bfloat16 CUDA tensors without a mask run torch's fused
+flash kernel (records ``[lse, 1, out]``, docs/frameworks.md says when); the
+rest run grouped torch matmuls on the tensors' device (float32 accumulation,
+float64 for float64; GQA without repeating K/V). CUDA records are staged
+through a pinned host buffer for the merge (MPI runs user-defined reductions
+on the host).
 
 Importing this module imports torch; ``import mpitree`` never does.
 """
@@ -69,7 +71,9 @@ def local_state(q, k, v, *, scale=None, kv_len=None, q_pos=None, k_pos=None, mas
     -------
     torch.Tensor
         ``(B, Hq, Sq, D + 2)`` records ``[m, d, n]``, float32 (float64 for float64
-        inputs), natural-log units. Excluded keys contribute exactly nothing.
+        inputs), natural-log units. Excluded keys contribute exactly nothing. From
+        the fused CUDA kernel they are ``[lse, 1, out]``: the same state (``n / d``
+        and ``m + log d`` agree), though ``m`` is then not the row's max score.
     """
     ns, problem, t = extend.check_qkv(q, k, v)
     if ns.name != "torch":

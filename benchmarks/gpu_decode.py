@@ -73,6 +73,9 @@ def main():
     parser.add_argument(
         "--kv-len", action="store_true", help="pass kv_len = T - 1 per row to mpitree's calls"
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="also print torch.profiler's table of tree_decode"
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()
@@ -122,6 +125,14 @@ def main():
     }
     if "flash_lse" in methods:
         outs["flash_lse"] = flash_lse(q, k, v)[0]
+    if args.profile:  # last: the profiler leaves CUDA's activity tracing on, slowing launches
+        with torch.profiler.profile() as prof:
+            for _ in range(20):
+                methods["tree_decode"]()
+            torch.cuda.synchronize()
+        if comm.rank == 0:
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+
     plan.free()
     if comm.rank:
         return

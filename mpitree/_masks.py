@@ -36,5 +36,6 @@ def keep_mask(ns, lens, vis, t, like):
     """Fold ``lens`` into ``vis``: bool ``(B, Hm, Sq, T)`` (or broadcastable), or None."""
     if lens is None:
         return vis
+    lens = ns.asarray(lens, like=like)  # on like's device (a kv_len given on the host)
     keep = (ns.arange(t, like)[None, :] < lens[:, None])[:, None, None, :]
     return keep if vis is None else vis & keep

@@ -394,37 +394,58 @@ class Torch:
     def fused_records(self, q, k, v, scale, lens=None):
         """Return float32 records of q over k, v from torch's fused flash kernel, or None.
 
-        For half-precision CUDA tensors whose head dimension (a multiple of 8, at most
-        256) and GPU (compute capability 8.0 or later) the kernel takes; None
-        elsewhere. The GQA group is folded into the query rows, so K and V are read
-        once. With ``lens`` (int ``(B,)``, in ``[0, T]``) each batch row is one call
-        over its first ``lens[b]`` keys only: what lies past them is never read. The
-        kernel accumulates in float32 and gives its output rounded to q's dtype and a
-        float32 natural-log lse: the records are ``[lse, 1, out]``, and a row whose lse
-        is -inf (every score -inf, or no key) is the empty state. A result with a NaN
-        or infinity in it (from non-finite inputs) is dropped: None, so that the
-        caller's matmuls give the NaN pattern :func:`reference_attention` gives.
+        For bfloat16 CUDA tensors (NVIDIA, compute capability 8.0 or later, torch 2.2
+        or later, flash attention enabled) with a head dimension of a multiple of 8 up
+        to 256, 16-byte aligned rows and no gradient to track; None elsewhere, and
+        for good on a device where the kernel refused a call. float16 is left to the
+        matmuls: the kernel rounds the softmax weights to float16 before P @ V, and
+        the small weights of a long flat tail fall in float16's subnormals (over 2e-3
+        off at 128K keys).
+
+        The GQA group is folded into the query rows, so K and V are read once. With
+        ``lens`` (int ``(B,)``, in ``[0, T]``) each batch row is one call over its
+        first ``lens[b]`` keys (one call for all when every row sees every key):
+        what lies past them is never read. The kernel accumulates in float32 and
+        gives its output rounded to q's dtype and a float32 natural-log lse: the
+        records are ``[lse, 1, out]``, the same state as ``[m, d, n]`` (``n / d`` and
+        ``m + log d`` agree), and a row with no key is the empty state. A result
+        with a NaN or infinity in it (non-finite inputs; a row whose every score is
+        -inf, to which the kernel gives lse +inf) is dropped: None, so that the
+        caller's matmuls give the pattern :func:`reference_attention` gives.
         """
+        if not self._flash_applies(q, k, v):
+            return None
+        host = None if lens is None else lens.tolist()
+        try:
+            if host is None or all(n == k.shape[2] for n in host):
+                out, lse = self._flash(q, k, v, scale)
+            else:
+                parts = [
+                    self._flash(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], scale)
+                    for i, n in enumerate(host)
+                ]
+                out, lse = (self.t.cat(x, 0) for x in zip(*parts, strict=True))
+        except RuntimeError:  # refused before launch (a build or device without the kernel)
+            _FLASH[q.device] = False
+            return None
         t = self.t
-        if q.device.type != "cuda" or q.dtype not in (t.float16, t.bfloat16):
-            return None
-        d = int(q.shape[3])
-        if d % 8 or d > 256 or any(x.stride(-1) != 1 for x in (q, k, v)):
-            return None
-        if not _flash_capable(t, q.device):
-            return None
-        if lens is None:
-            out, lse = self._flash(q, k, v, scale)
-        else:
-            parts = [
-                self._flash(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], scale)
-                for i, n in enumerate(lens.tolist())
-            ]
-            out, lse = (t.cat(x, 0) for x in zip(*parts, strict=True))
         if not bool(t.isfinite(out).all() & (lse < float("inf")).all()):
             return None  # a non-finite input met: the matmul path gives its exact pattern
         seen = lse != -float("inf")
         return t.cat([lse, seen.float(), t.where(seen, out.float(), 0)], -1)
+
+    def _flash_applies(self, q, k, v):
+        """Whether :meth:`fused_records` may call the kernel on these tensors."""
+        t = self.t
+        if q.device.type != "cuda" or q.dtype != t.bfloat16 or not _flash_capable(t, q.device):
+            return False
+        d = int(q.shape[3])
+        if d % 8 or d > 256 or (t.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
+            return False
+        return all(  # 16-byte aligned rows: the kernel loads 16 bytes at a time
+            x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and not any(s % 8 for s in x.stride()[:-1])
+            for x in (q, k, v)
+        )
 
     def _flash(self, q, k, v, scale):
         """Return (out ``(B, Hq, Sq, D)`` in q's dtype, lse ``(B, Hq, Sq, 1)`` float32)."""
@@ -432,7 +453,8 @@ class Torch:
         b, hq, sq, d = (int(s) for s in q.shape)
         hkv, keys = int(k.shape[1]), int(k.shape[2])
         if keys == 0:
-            return t.zeros_like(q), t.full((b, hq, sq, 1), -float("inf"), device=q.device)
+            lse = t.full((b, hq, sq, 1), -float("inf"), dtype=t.float32, device=q.device)
+            return t.zeros_like(q), lse
         folded = q.reshape(b, hkv, hq // hkv * sq, d)
         flash = t.ops.aten._scaled_dot_product_flash_attention
         out, lse = flash(folded, k, v, scale=scale)[:2]
@@ -460,15 +482,25 @@ class Torch:
         return _refused(self.t).apply(len(outputs), *outputs, *needing)[: len(outputs)]
 
 
-_FLASH = {}  # a CUDA device -> whether torch's flash kernel runs on it (looked up once)
+_FLASH = {}  # a CUDA device -> whether torch's flash kernel runs there (looked up once)
 
 
 def _flash_capable(torch, device):
-    """Whether ``device``'s compute capability (8.0 or later) runs torch's flash kernel."""
-    key = (torch, device)
-    if key not in _FLASH:
-        _FLASH[key] = torch.cuda.get_device_capability(device)[0] >= 8
-    return _FLASH[key]
+    """Whether torch's flash kernel may run on ``device``.
+
+    NVIDIA only (ROCm's flash kernel has given wrong values for non-contiguous V),
+    compute capability 8.0 or later, torch 2.2 or later (2.1's older kernel pads its
+    lse and takes D <= 128), and flash attention not switched off
+    (``torch.backends.cuda.enable_flash_sdp(False)``).
+    """
+    if device not in _FLASH:
+        version = tuple(int(x) for x in torch.__version__.split(".")[:2])
+        _FLASH[device] = (
+            torch.version.hip is None
+            and version >= (2, 2)
+            and torch.cuda.get_device_capability(device)[0] >= 8
+        )
+    return _FLASH[device] and torch.backends.cuda.flash_sdp_enabled()
 
 
 NO_GRADIENT = (

@@ -181,7 +181,11 @@ class State:
     (already scaled, natural-log units): ``m = max_j s_j``,
     ``d = sum_j exp(s_j - m)`` and ``n = sum_j exp(s_j - m) v_j``. The attention
     output is ``n / d`` and the log-sum-exp is ``m + log(d)`` (natural log). The
-    empty state ``m = -inf, d = 0, n = 0`` is the identity of :func:`combine`.
+    empty state ``m = -inf, d = 0, n = 0`` is the identity of :func:`combine`. Any
+    ``(m', d e^(m - m'), n e^(m - m'))`` is the same state (the merge gives the same
+    output and lse): states from a fused kernel's output and lse are ``[lse, 1, out]``
+    (``State.from_lse``; the bfloat16 CUDA path of ``local_state``), whose ``m`` is
+    not the max logit.
 
     Parameters
     ----------
@@ -261,7 +265,7 @@ class State:
 
     @property
     def m(self) -> np.ndarray:
-        """Running max of the logits, ``(...)``."""
+        """Reference logit of each row (the running max, or a fused kernel's lse), ``(...)``."""
         return self.records[..., 0]
 
     @property

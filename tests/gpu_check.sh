@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA checks, in one run on a machine with a CUDA GPU (CI has none; a lent GPU machine
 # runs this): install mpitree over the machine's own torch/CuPy/JAX, run every cuda-marked
-# test at 1, 2 and 3 ranks sharing the GPU, then benchmarks/gpu_decode.py at 1 and 2 ranks.
+# test at 1, 2 and 3 ranks sharing the GPU, then benchmarks/gpu_decode.py (1 and 2 ranks,
+# batch 4 with kv_len, float32).
 # Wheels the machine lacks (mpi4py and the mpich wheel, mpi-pytest, setuptools, transformers)
 # may wait in .whl/ when it cannot reach PyPI. Logs go to $OUT (default /tmp/gpu-check).
 #
@@ -47,10 +48,11 @@ timeout 270 $py tests/run.py --nprocs 1,2,3 --leg-timeout 150 -k "${SELECT:-cuda
 grep -E "^(FAILED|ERROR)|^E  |mpitree tests:" "$OUT/tests.log" | cut -c1-400 | head -60
 bench() {
     echo "== $*"
-    timeout 60 "$@" 2>&1 | tee -a "$OUT/bench.log" | tail -12 || status=1
+    timeout 60 "$@" 2>&1 | tee -a "$OUT/bench.log" | tail -9 || status=1
 }
 [ "${BENCH:-1}" = 0 ] && exit $status
-bench $py benchmarks/gpu_decode.py --tokens "$tokens"
+bench $py benchmarks/gpu_decode.py --tokens "$tokens" --profile
 bench mpiexec -n 2 $py benchmarks/gpu_decode.py --tokens $((tokens / 2))
+bench $py benchmarks/gpu_decode.py --tokens $((tokens / 4)) --batch 4 --kv-len
 bench $py benchmarks/gpu_decode.py --tokens "$tokens" --dtype float32
 exit $status

@@ -143,8 +143,37 @@ def test_fused_kernel_gives_the_references_values_and_nan_pattern(dtype, poison)
         assert np.array_equal(np.isnan(got_lse), np.isnan(ref_lse))
         lfin = np.isfinite(ref_lse)
         assert_allclose(got_lse[lfin], ref_lse[lfin], rtol=1e-5, atol=1e-4)
-    if poison == "clean" and k.shape[2]:  # the fused kernel answered
-        assert namespace(on[0]).fused_records(*on, 0.125) is not None
+    if poison == "clean" and k.shape[2]:  # bfloat16: the fused kernel answered; float16: not
+        fused = namespace(on[0]).fused_records(*on, 0.125)
+        assert (fused is not None) == (dtype == torch.bfloat16)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parametrize("layout", ["transposed", "padded rows", "host kv_len"])
+def test_fused_kernel_over_other_layouts_matches_the_reference(layout):
+    """transformers' (B, S, H, D).transpose(1, 2) layout, K/V rows padded past D (refused
+    by the kernel: not 16-byte aligned rows), and a kv_len on the host for CUDA tensors."""
+    comm = world()
+    prob = make_problem(4, [70, 0, 33][: comm.size], batch=3, q_heads=8, kv_heads=2, q_len=1,
+                        head_dim=64, kv_len=True, dtype=np.float64)  # fmt: skip
+    prob.q, prob.k, prob.v = (
+        torch.from_numpy(x).to(torch.bfloat16).double().numpy() for x in (prob.q, prob.k, prob.v)
+    )
+    k, v, kw = prob.shard(comm.rank)
+    q = torch.from_numpy(prob.q).to("cuda", torch.bfloat16)
+    k, v = (torch.from_numpy(x).to("cuda", torch.bfloat16) for x in (k, v))
+    kv_len = torch.from_numpy(kw["kv_len"])
+    if layout == "transposed":
+        q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    elif layout == "padded rows":
+        k, v = (torch.nn.functional.pad(x, (0, 3))[..., :64] for x in (k, v))
+    if layout != "host kv_len":
+        kv_len = kv_len.cuda()
+    out = mpitree.tree_decode(q, k, v, kv_len=kv_len)
+    ref, _ = prob.reference()
+    assert_allclose(out.double().cpu().numpy(), ref, atol=2e-2, rtol=0)
+    fused = namespace(q).fused_records(q, k, v, 0.125, kv_len)
+    assert (fused is None) == (layout == "padded rows")
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
@@ -200,6 +229,9 @@ def test_jax_arrays_on_the_gpu_eagerly_and_a_clear_error_under_jit(dtype):
     out = mj.tree_decode(*on_gpu)
     assert out.devices() == {gpu} and out.dtype == on_gpu[0].dtype
     assert_allclose(np.asarray(out, np.float64), ref, atol=tol, rtol=0)
+    mapped = jax.vmap(mj.tree_decode, in_axes=(0, None, None))  # eager vmap: XLA's state too
+    twice = mapped(jax.numpy.stack([on_gpu[0]] * 2), *on_gpu[1:])
+    assert_allclose(np.asarray(twice, np.float64), np.stack([ref] * 2), atol=tol, rtol=0)
     jitted = jax.jit(mj.tree_decode)
     with pytest.raises(ValueError, match="CPU only, and this program is compiled for cuda"):
         jitted(*on_gpu)

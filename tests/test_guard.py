@@ -43,15 +43,19 @@ calls = {
     "generate": lambda: mtt.generate(model, torch.ones(1, 3, dtype=torch.long), cache,
                                      drafter=mtt.PromptLookup(), max_new_tokens=2),
 }
+lines = []
 for name, call in calls.items():
     try:
         call()
     except RuntimeError as exc:
         assert "MPI has been finalized" in str(exc), (name, exc)
-        print("raised", name, flush=True)
+        lines.append(f"raised {name}\\n")
     else:
         raise AssertionError(f"{name} ran after MPI.Finalize()")
-print("repr", repr(plan), flush=True)  # reads no MPI (before: MPICH aborted in Comm_size)
+lines.append(f"repr {plan!r}\\n")  # reads no MPI (before: MPICH aborted in Comm_size)
+import sys
+sys.stdout.write("".join(lines))  # one write per rank: the two ranks' lines never interleave
+sys.stdout.flush()
 """
 
 

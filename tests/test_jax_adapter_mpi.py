@@ -315,6 +315,32 @@ def test_kernel_error_raises_on_every_rank(form, monkeypatch):
         assert last == f"{kind}: {message}", last
 
 
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_an_eager_local_error_on_one_rank_raises_on_every_rank(phase, monkeypatch):
+    """Eagerly, XLA's local part (the path of float16, float64 and accelerator arrays) failing
+    on one rank: every rank raises, and a rank holding no keys does not wait in the merge."""
+    comm = world()
+    is_bad = comm.rank == 0
+    prob = make_problem(2, [4] + [0] * (comm.size - 1))  # the others hold no keys
+    k, v, _ = prob.shard(comm.rank)
+    q, k, v = (jnp.asarray(x, jnp.float16) for x in (prob.q, k, v))
+    if is_bad:
+
+        def fail(*args):
+            raise MemoryError("no room on the device")
+
+        monkeypatch.setattr(mj, "_local_records" if phase == "forward" else "_scores", fail)
+    call = {
+        "forward": lambda: mj.tree_decode(q, k, v),
+        "backward": lambda: jax.grad(lambda q: mj.tree_decode(q, k, v).sum())(q),
+    }[phase]
+    with pytest.raises(MemoryError if is_bad else mpitree.RankError, match="no room"):
+        call()
+    monkeypatch.undo()
+    assert np.isfinite(np.asarray(call(), np.float32)).all()  # the next call works
+
+
 @pytest.mark.parallel(nprocs=[1, 2])
 def test_reloading_the_ffi_module_keeps_its_callback():
     """importlib.reload (IPython's autoreload) keeps the callback XLA calls alive: no crash."""
