@@ -71,8 +71,8 @@ def state_records(ns, q, k, v, scale, lens, vis, acc):
 
     Grouped matmuls (GQA without repeating K/V); functional, so it serves numpy,
     CuPy (cuBLAS), torch (any device) and JAX alike. Where no ``vis`` masks keys
-    (``lens`` at most), half-precision CUDA tensors take the namespace's fused
-    kernel instead (``fused_records``: torch's flash attention, K and V read once).
+    (``lens`` at most), bfloat16 CUDA tensors take the namespace's fused kernel
+    instead (``fused_records``: torch's flash attention, K and V read once).
     """
     b, hq, sq, dim = (int(s) for s in q.shape)
     hkv, t = int(k.shape[1]), int(k.shape[2])

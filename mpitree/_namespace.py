@@ -425,6 +425,8 @@ class Torch:
                     for i, n in enumerate(host)
                 ]
                 out, lse = (self.t.cat(x, 0) for x in zip(*parts, strict=True))
+        except self.t.cuda.OutOfMemoryError:
+            raise  # the guard raises it on every rank; the kernel itself is fine
         except RuntimeError:  # refused before launch (a build or device without the kernel)
             _FLASH[q.device] = False
             return None
