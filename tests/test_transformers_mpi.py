@@ -12,7 +12,7 @@ import torch
 import transformers
 from helpers import world
 from models import VOCAB, float64_logits, greedy, positions, prompt, tiny_llama, tiny_mistral
-from mpitree.adapters.transformers import _prefill
+from mpitree.adapters.transformers import _cache, _prefill
 from numpy.testing import assert_allclose
 
 from mpitree import extend, spec
@@ -120,13 +120,17 @@ def test_prefill_layer_of_another_dtype_on_one_rank_raises_on_every_rank():
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
-@pytest.mark.parametrize("where", ["keys and values", "second layer's attention"])
+@pytest.mark.parametrize(
+    "where", ["keys and values", "second layer's attention", "second layer's cache update"]
+)
 def test_prefill_out_of_memory_on_one_rank_raises_on_every_rank(where, monkeypatch):
     """Running out of memory on one rank, for the all-gather's buffer or later in a layer.
 
     The buffer is allocated in the agreement (allocated after it, the failing rank
     raised alone and the others waited in the all-gather for ever); a failure in a
-    layer's local attention, after its all-gather, rides in the layer's flag.
+    layer's local attention, after its all-gather, rides in the layer's flag, and so
+    does one in a later layer's cache update (that rank took the decode path and
+    raised alone, the others waited in the layer's all-gather).
     """
     comm = world()
     if comm.rank == comm.size - 1 and where == "keys and values":
@@ -138,6 +142,15 @@ def test_prefill_out_of_memory_on_one_rank_raises_on_every_rank(where, monkeypat
             return scratch(prefill_step, name, *args)
 
         monkeypatch.setattr(_prefill, "_scratch", short)
+    elif comm.rank == comm.size - 1 and where == "second layer's cache update":
+        append = _cache.ShardedLayer._append
+
+        def failing_append(layer, *args):
+            if layer is cache.layers[1] and layer.sharding.pending is not None:
+                raise MemoryError(f"no room for {where}")
+            return append(layer, *args)
+
+        monkeypatch.setattr(_cache.ShardedLayer, "_append", failing_append)
     elif comm.rank == comm.size - 1:
         attend, layers = _prefill._attend, []
 

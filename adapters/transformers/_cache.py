@@ -336,9 +336,10 @@ class ShardedLayer(CacheLayerMixin):
         try:
             self._join_step()
             view = self._update(key_states, value_states)
-        except Exception as exc:
+        except Exception as exc:  # a sharded prefill keeps its path: the layer flag carries it
             empty = torch.empty(0, dtype=torch.long)
-            view = View(key_states[:, :, :0], self, empty, False, self.length, error=exc)
+            sharded = self.sharding.pending is not None
+            view = View(key_states[:, :, :0], self, empty, sharded, self.length, error=exc)
             keys, values = view.keys, value_states[:, :, :0]
         else:
             keys, values = view.keys, self.values
@@ -626,10 +627,11 @@ class ShardedCache(Cache):
         self.sharding.follow_rows(lambda history: history[:, : self.get_seq_length()])
 
     def reset(self):
-        """Forget every token of every layer."""
+        """Forget every token of every layer, and the last step (its visibility memo)."""
         super().reset()
         self.sharding.history = None
         self.sharding.edits = 0
+        self.sharding.step = Step(-1)
 
     def reorder_cache(self, beam_idx):
         """Reorder the batch rows of every layer's shard as ``beam_idx`` says (beam search)."""

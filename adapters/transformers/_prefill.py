@@ -67,7 +67,8 @@ def sharded_attention(query, step):
     each rank then attends its own queries over all of them, locally and exactly,
     and one flag all-reduce carries every rank's verdict. Under GQA the keys and
     values are fewer bytes than the queries and partial states that the merge
-    would move (Llama-3.1-8B: a quarter), and they need no merge. A rank whose
+    would move (Llama-3.1-8B: a quarter; half of the queries alone), and they need
+    no merge. A rank whose
     layer does not match the step's agreement sends zeros and reports its failure
     in the flag, so every rank raises. Returns ``(B, Sq, Hq, D)``.
     """
