@@ -204,13 +204,15 @@ def test_prefill_failing_in_its_last_token_step_leaves_the_cache_empty():
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
-def test_sharded_prefill_moves_each_ranks_keys_and_values_once_per_layer(monkeypatch):
-    """Per layer, a rank hands MPI its own keys and values and a one-value flag.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sharded_prefill_moves_each_ranks_keys_and_values_once_per_layer(dtype, monkeypatch):
+    """Per layer, a rank hands MPI its own keys and values, in their dtype, and a one-value flag.
 
     Not every rank's queries and their partial states, as the route before did:
     under Llama-3.1-8B's GQA (32 q / 8 kv heads) that was 4x the bytes and a merge.
+    A bfloat16 model's keys and values travel as bfloat16 (they went as float32).
     """
-    model = tiny_llama(layers=3)
+    model = tiny_llama(layers=3).to(dtype)
     ids, mask = prompt(23, True)
     cache = mtt.ShardedCache(model.config, block_size=4)
     model.set_attn_implementation("mpitree")
@@ -225,7 +227,7 @@ def test_sharded_prefill_moves_each_ranks_keys_and_values_once_per_layer(monkeyp
     mtt.prefill(model, ids, cache, attention_mask=mask)
     own = len(_prefill.plan(cache.sharding, 22).mine)  # the last token runs after it
     assert own and cache.local_length(0) in (own, own + 1)
-    row = 2 * 2 * 2 * 16 * 4  # K and V, batch 2, 2 kv heads, head_dim 16, float32
+    row = 2 * 2 * 2 * 16 * dtype.itemsize  # K and V, batch 2, 2 kv heads, head_dim 16
     per_layer = own * row + 4  # and the flag (float32)
     assert 3 * per_layer <= moved[0] <= 3 * per_layer + 64  # + the step's agreement
 

@@ -458,7 +458,7 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, recipe, positi
         if view.sharded:  # a sharded prefill gathers keys and values, then attends locally
             # its buffer, allocated here: running out of memory raises on every rank
             reserve(
-                sharding.pending, (problem.batch, problem.kv_heads, problem.head_dim), problem.acc
+                sharding.pending, (problem.batch, problem.kv_heads, problem.head_dim), problem.dtype
             )
             return extend.Call(recipe.signature, payload)
         # the cache's global length and edits: a crop or batch operation on one rank only

@@ -48,16 +48,28 @@ def _scratch(prefill_step, name, shape, dtype):
     return held
 
 
-def reserve(prefill_step, rows, acc):
-    """Return the prefill's all-gather buffer for key rows ``(B, Hkv, D)`` in ``acc``, made once.
+def reserve(prefill_step, rows, dtype):
+    """Return the prefill's all-gather buffer for key rows ``(B, Hkv, D)`` of ``dtype``, made once.
 
     Returns ``(N, 2, B, Hkv, D)``: every rank's keys and values, rank-major (the
-    order of ``prefill_step.queries``). The step's agreement calls it first, in its
-    local checks, so that running out of memory on one rank raises on every rank
-    there, not in the all-gather that follows; every layer then finds it (the
-    step's layers share the agreed shapes).
+    order of ``prefill_step.queries``), in their own dtype (a name): float16 and
+    bfloat16 as int16 bits (:func:`_keys_values` reads them back), which numpy and
+    MPI move unchanged, so a 2-byte model hands the link half the bytes of float32.
+    The step's agreement calls it first, in its local checks, so that running out
+    of memory on one rank raises on every rank there, not in the all-gather that
+    follows; every layer then finds it (the step's layers share the agreed shapes).
     """
-    return _scratch(prefill_step, "keys and values", (prefill_step.total, 2, *rows), acc)
+    carrier = "int16" if dtype in _TWO_BYTES else dtype
+    return _scratch(prefill_step, "keys and values", (prefill_step.total, 2, *rows), carrier)
+
+
+_TWO_BYTES = ("float16", "bfloat16")
+
+
+def _keys_values(rows, dtype):
+    """Return gathered rows of :func:`reserve`'s buffer as a tensor of ``dtype`` (shared)."""
+    held = torch.from_numpy(rows)
+    return held.view(getattr(torch, dtype)) if dtype in _TWO_BYTES else held
 
 
 def sharded_attention(query, step):
@@ -78,11 +90,11 @@ def sharded_attention(query, step):
     agreed = step.agreed.signature
     counts = prefill_step.counts
     own = counts[sharding.rank]  # sq, or 0 under a stand-in token
-    acc = extend.acc_name(agreed["dtype"])  # agreed: not this layer's own (may differ here)
+    dtype = agreed["dtype"]  # agreed: not this layer's own (may differ here)
     rows = (agreed["batch"], agreed["kv_heads"], agreed["head_dim"])
-    every = reserve(prefill_step, rows, acc)
+    every = reserve(prefill_step, rows, dtype)
     start = sum(counts[: sharding.rank])
-    mine = torch.from_numpy(every[start : start + own])
+    mine = _keys_values(every[start : start + own], dtype)
     problem = out = None
     try:
         step.check()
@@ -99,24 +111,27 @@ def sharded_attention(query, step):
     extend.allgather_rows(comm, None, counts, every[0].size, out=every)
     if problem is None:
         try:
-            out = _attend(query[:, :, :own], step, prefill_step, every)
+            out = _attend(query[:, :, :own], step, prefill_step, _keys_values(every, dtype))
         except Exception as exc:
             problem = exc
     extend.flagged_allreduce(comm, np.zeros(0, np.float32), MPI.MAX, problem)
     return torch.cat([out, out.new_zeros(b, sq - own, hq, d)], 1) if own < sq else out
 
 
-def _attend(query, step, prefill_step, every):
-    """Return ``(B, Sq, Hq, D)``: ``query`` (this rank's) over every gathered key, exactly."""
+def _attend(query, step, prefill_step, gathered):
+    """Return ``(B, Sq, Hq, D)``: ``query`` (this rank's) over every gathered key, exactly.
+
+    ``gathered`` is :func:`reserve`'s buffer as a tensor of the keys' dtype.
+    """
     b, hq, own, d = (int(s) for s in query.shape)
     if not own:
         return query.new_zeros(b, 0, hq, d)
     order = prefill_step.scratch.get("order")
     if order is None:  # rank-major to global order
         order = prefill_step.scratch["order"] = torch.argsort(prefill_step.queries)
-    gathered = torch.from_numpy(every)
-    # (B, Hkv, N, D), contiguous, keys in global order (one copy each)
-    k, v = (gathered[:, i].permute(1, 2, 0, 3).index_select(2, order) for i in (0, 1))
+    # (B, Hkv, N, D), contiguous, keys in global order, widened to the accumulation dtype
+    acc = getattr(torch, extend.acc_name(extend.dtype_name(gathered.dtype)))
+    k, v = (gathered[:, i].permute(1, 2, 0, 3).index_select(2, order).to(acc) for i in (0, 1))
     att = step.prepare(query, k, v)
     records = torch.empty((b, hq, own, d + 2), dtype=k.dtype).numpy()  # 4 KiB pages
     keys = torch.arange(k.shape[2])
