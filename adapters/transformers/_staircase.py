@@ -132,7 +132,7 @@ def _write(out, rows, part, band):
     out[:, :, rows, 2:] = oa.mul_(wa[..., None]).add_(ob.mul_(wb[..., None]))
 
 
-def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=None, chunk=None):
+def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, chunk=None):
     """Fill the states of the queries ``q`` over the keys ``k``, visible pairs only.
 
     Parameters
@@ -150,11 +150,8 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=N
     key_ok : torch.Tensor
         bool ``(B|1, T)``: False at (left) padding.
     out : torch.Tensor, optional
-        ``(B, Hq, M, D + 2)`` float32, any strides (e.g. a view of the merge's
-        records in their own layout), ``M = Nq`` unless ``out_rows`` is given:
-        written in place and returned.
-    out_rows : torch.Tensor, optional
-        ``(Nq,)`` int64: query ``i`` goes to ``out[:, :, out_rows[i]]`` (default ``i``).
+        ``(B, Hq, Nq, D + 2)`` float32, any strides (e.g. a view of records in
+        another layout): written in place and returned.
     chunk : int, optional
         Queries per fused call (default :data:`CHUNK`).
 
@@ -162,7 +159,7 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=N
     -------
     torch.Tensor
         ``(B, Hq, Nq, D + 2)`` float32 records ``[m, d, n]``, natural log, in ``q``'s
-        query order (``out`` when given, its rows placed by ``out_rows``).
+        query order (``out`` when given).
     """
     fused = _fused()
     q, k, v = (x.float() for x in (q, k, v))  # accumulate and combine in float32
@@ -174,7 +171,6 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=N
     hkv = k.shape[1]
     order = torch.argsort(q_idx, stable=True)
     sorted_idx = q_idx[order]
-    dest = order if out_rows is None else out_rows[order]
     if out is None:
         out = torch.empty(b, hq, nq, d + 2, dtype=torch.float32)
     for start, stop in _chunks(tame, k_idx, key_ok, sorted_idx, chunk or CHUNK):
@@ -193,9 +189,9 @@ def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, out_rows=N
             fin = None if tame is None else tame[:, lo:hi]
             band = _part(fused, qc, k[:, :, lo:hi], v[:, :, lo:hi], scale, seen, hkv, fin)
         if part is None and band is None:
-            out[:, :, dest[start:stop]] = torch.tensor([float("-inf")] + [0.0] * (d + 1))
+            out[:, :, rows] = torch.tensor([float("-inf")] + [0.0] * (d + 1))
         else:
-            _write(out, dest[start:stop], part, band)
+            _write(out, rows, part, band)
     return out
 
 
