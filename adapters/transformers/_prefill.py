@@ -80,9 +80,9 @@ def sharded_attention(query, step):
     and one flag all-reduce carries every rank's verdict. Under GQA the keys and
     values are fewer bytes than the queries and partial states that the merge
     would move (Llama-3.1-8B: a quarter; half of the queries alone), and they need
-    no merge. A rank whose
-    layer does not match the step's agreement sends zeros and reports its failure
-    in the flag, so every rank raises. Returns ``(B, Sq, Hq, D)``.
+    no merge. A rank whose layer does not match the step's agreement sends zeros
+    and reports its failure in the flag, so every rank raises. Returns
+    ``(B, Sq, Hq, D)``.
     """
     sharding = step.view.layer.sharding
     prefill_step, comm = sharding.pending, sharding.comm
@@ -129,14 +129,15 @@ def _attend(query, step, prefill_step, gathered):
     order = prefill_step.scratch.get("order")
     if order is None:  # rank-major to global order
         order = prefill_step.scratch["order"] = torch.argsort(prefill_step.queries)
-    # (B, Hkv, N, D), contiguous, keys in global order, widened to the accumulation dtype
-    acc = getattr(torch, extend.acc_name(extend.dtype_name(gathered.dtype)))
-    k, v = (gathered[:, i].permute(1, 2, 0, 3).index_select(2, order).to(acc) for i in (0, 1))
+    # (B, Hkv, N, D), contiguous, keys in global order (one copy each, in their own dtype:
+    # the staircase widens them to float32 itself, the general kernel takes them as they are)
+    k, v = (gathered[:, i].permute(1, 2, 0, 3).index_select(2, order) for i in (0, 1))
     att = step.prepare(query, k, v)
-    records = torch.empty((b, hq, own, d + 2), dtype=k.dtype).numpy()  # 4 KiB pages
+    acc = extend.acc_name(extend.dtype_name(k.dtype))
+    records = torch.empty((b, hq, own, d + 2), dtype=getattr(torch, acc)).numpy()  # 4 KiB pages
     keys = torch.arange(k.shape[2])
     known = None
-    if k.dtype == torch.float32 and staircase.available(query):
+    if acc == "float32" and staircase.available(query):
         known = _key_rows(step, prefill_step, keys)
     if known is not None:
         out = torch.from_numpy(records)
