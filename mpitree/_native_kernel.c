@@ -141,21 +141,23 @@ MPITREE_INLINE void prefetch_row(const float *p, int64_t len)
 /* Scores of one block of rb rows (q: rb rows of dim) against keys [0, n) of k:
  * s[j * rb + r] = q_r . k_j (interleaved: row r of key j). kb keys at a time, with
  * rb * kb (8 or 16) vector accumulators reduced by transpose-adds. The key rows
- * `pf` keys ahead are prefetched when pf > 0: all at once for a block of several
- * rows, a line per step of the dot products for a single row (whose 8 keys would
- * otherwise ask for 8 rows of lines in one burst). `in_order` (single row only):
+ * `pf` keys ahead are prefetched when pf > 0, a line of each per two steps of the
+ * dot products (a burst of a block's rows of lines at once stalled on the misses it
+ * had in flight: a GQA group of 4 rows ran at 67% of the read floor, spread at 85%),
+ * a row's lines past the steps' reach before them. `in_order` (single row only):
  * each key's row is read whole before the next (the same sums in the same order). */
 MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int64_t n,
                                  int64_t dim, const int rb, const int kb, int64_t pf,
                                  int in_order, float *s)
 {
     const int64_t d8 = dim & ~(int64_t)7, nb = n - n % kb;
+    const int64_t reach = (d8 + 15) & ~(int64_t)15; /* floats whose lines the steps prefetch */
     const v8f zero = {0};
     for (int64_t j = 0; j < nb; j += kb) {
         const float *kj = k + j * ks;
-        if (pf > 0 && rb > 1)
+        if (pf > 0 && reach < dim)
             for (int kk = 0; kk < kb; ++kk)
-                prefetch_row(kj + (pf + kk) * ks, dim);
+                prefetch_row(kj + (pf + kk) * ks + reach, dim - reach);
         v8f acc[16];
 #pragma GCC unroll 16
         for (int i = 0; i < rb * kb; ++i)
@@ -168,7 +170,7 @@ MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int
         else
             for (int64_t x = 0; x < d8; x += 8) {
                 v8f kv[16];
-                if (pf > 0 && rb == 1 && !(x & 15))
+                if (pf > 0 && !(x & 15))
                     for (int kk = 0; kk < kb; ++kk)
                         __builtin_prefetch(kj + (pf + kk) * ks + x, 0, 2);
 #pragma GCC unroll 16
