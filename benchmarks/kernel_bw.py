@@ -18,7 +18,14 @@ import time
 import numpy as np
 
 from mpitree import local_state
-from mpitree.extend import Prepared, kernel_isa, kernel_levels, read_seconds, select_kernel
+from mpitree.extend import (
+    Prepared,
+    kernel_isa,
+    kernel_levels,
+    kernel_read_order,
+    read_seconds,
+    select_kernel,
+)
 
 SHAPES = {
     "llama3-8b GQA 32/8": (32, 8, 128),
@@ -120,6 +127,7 @@ def main():
                     f"{old:>13.1f}{old / read:>8.0%}"
                 )
             print(f"{label:<24}{'all':>6}  ratio {min(ratios):.0%}..{max(ratios):.0%}")
+        print(f"one row per KV head reads by: {kernel_read_order(level=level)} (timed choice)")
     select_kernel(0)
 
 

@@ -108,6 +108,50 @@ def select_kernel(level=0):
     return lib.mpitree_kernel_select(level)
 
 
+_READ_ORDERS = {1: "address order", 0: "prefetch", -1: "undecided"}
+_FORCE = {None: -2, "address order": 1, "prefetch": 0, "timed": -1}
+
+
+def kernel_read_order(force=None, level=0):
+    """Return how the compiled kernel reads one row per KV head over contiguous keys (local).
+
+    Such calls (MHA, one query) can read K and V in address order, leaving the
+    fetching to the hardware prefetcher, or prefetch in software: the same sums, bit
+    for bit, but which is faster differs between machines of one type. The process
+    times both ways on its first 8 such calls that read at least 8 MiB, in turn, and
+    keeps the faster; until then it reads in address order.
+
+    Parameters
+    ----------
+    force : {None, "address order", "prefetch", "timed"}, optional
+        For tests and benchmarks (process-wide, every build; not while another
+        thread runs the kernel): use one way from now on, or ``"timed"`` to go back
+        to the timed choice, timing afresh. None changes nothing.
+    level : int, optional
+        The kernel build asked about (4, 3 or 1); 0 for the one selected.
+
+    Returns
+    -------
+    str
+        ``"address order"``, ``"prefetch"``, or ``"undecided"`` while the timed
+        choice has not been made.
+
+    Raises
+    ------
+    ValueError
+        ``force`` is not one of the above.
+    RuntimeError
+        Without the compiled library.
+    """
+    if not isinstance(force, (str, type(None))) or force not in _FORCE:
+        names = ", ".join(repr(f) for f in _FORCE)
+        raise ValueError(f"mpitree: force is one of {names}, not {force!r}")
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("mpitree: the native library is not built")
+    return _READ_ORDERS[lib.mpitree_kernel_read_order(_FORCE[force], operator.index(level))]
+
+
 def _element_strides(x):
     """Batch, head and key strides of a (B, H, T, D) array in elements, or None if not whole."""
     if x.size == 0:

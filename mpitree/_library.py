@@ -98,6 +98,8 @@ def _load():
         lib.mpitree_kernel_select.argtypes = [ctypes.c_int]
         lib.mpitree_kernel_best.restype = ctypes.c_int
         lib.mpitree_kernel_best.argtypes = []
+        lib.mpitree_kernel_read_order.restype = ctypes.c_int
+        lib.mpitree_kernel_read_order.argtypes = [ctypes.c_int, ctypes.c_int]
     except (OSError, AttributeError) as exc:
         return None, f"could not load {path}: {exc}"
     return lib, None

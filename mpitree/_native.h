@@ -55,6 +55,7 @@ int64_t mpitree_attend_scratch(int64_t rows, int64_t dim);
 int mpitree_kernel_best(void);
 int mpitree_kernel_select(int level);
 const char *mpitree_kernel_isa(void);
+int mpitree_kernel_read_order(int force, int level);
 void mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float *k,
                         const float *v, float *out, float *scratch);
 

@@ -9,19 +9,23 @@
 /* weights (max, exp, sum), and one pass over V accumulates the numerators   */
 /* (rows x columns accumulators, a V vector loaded once feeds every row).    */
 /* K and V come from memory once (later row blocks hit the chunk in L2).     */
-/* With one row per KV head (MHA, Sq = 1) and contiguous key rows, both      */
-/* passes read memory in address order (a key's whole row, then the next)    */
-/* and leave the fetching to the hardware prefetcher, which then streams at  */
-/* the read floor; otherwise lines a fixed distance ahead are prefetched     */
-/* into L2 (the passes read several key rows side by side, an order the      */
-/* hardware prefetcher does not follow). All arithmetic is float32.          */
+/* Lines a fixed distance ahead are prefetched into L2 (the passes read      */
+/* several key rows side by side, an order the hardware prefetcher does not  */
+/* follow). With one row per KV head (MHA, Sq = 1) and contiguous key rows,  */
+/* both passes can instead read memory in address order and leave the        */
+/* fetching to the hardware prefetcher: the same sums, and faster on some    */
+/* machines, slower on others, so the process times both ways on its first  */
+/* large calls and keeps the faster (see read_order). All arithmetic is      */
+/* float32.                                                                  */
 /*                                                                           */
 /* The same code is compiled three times on x86-64 with GCC and picked at    */
 /* run time: x86-64-v4 (AVX-512VL: 32 vector registers, wider blocking),     */
 /* x86-64-v3 (AVX2, FMA) and the baseline (SSE2).                            */
 /* ------------------------------------------------------------------------- */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
 #include <string.h>
+#include <time.h>
 
 #include "_native.h"
 
@@ -453,14 +457,22 @@ MPITREE_INLINE void attend_rows(const mpitree_attn_args *a, const float *q, cons
     }
 }
 
-/* One row per KV head over contiguous key rows is read in address order, without
- * prefetching; anything else prefetches. Each is its own specialised copy. */
-MPITREE_INLINE void attend_impl(const mpitree_attn_args *a, const float *q, const float *k,
-                                const float *v, float *out, float *scratch, const int wide)
+/* Whether the call has one row per KV head over contiguous key rows, which can be
+ * read in address order (the same sums as the prefetching path, bit for bit). */
+static int one_row_in_order(const mpitree_attn_args *a)
 {
     const int64_t dim = a->head_dim;
-    if (a->q_heads == a->kv_heads && a->q_len == 1 && a->k_strides[2] == dim &&
-        a->v_strides[2] == dim)
+    return a->q_heads == a->kv_heads && a->q_len == 1 && a->k_strides[2] == dim &&
+           a->v_strides[2] == dim;
+}
+
+/* `in_order` (one_row_in_order calls only): read in address order, without
+ * prefetching; otherwise prefetch. Each is its own specialised copy. */
+MPITREE_INLINE void attend_impl(const mpitree_attn_args *a, const float *q, const float *k,
+                                const float *v, float *out, float *scratch, const int wide,
+                                int in_order)
+{
+    if (in_order)
         attend_rows(a, q, k, v, out, scratch, wide, 1);
     else
         attend_rows(a, q, k, v, out, scratch, wide, 0);
@@ -477,23 +489,23 @@ int64_t mpitree_attend_scratch(int64_t rows, int64_t dim)
 #ifdef MPITREE_X86_CLONES
 __attribute__((target("arch=x86-64-v4"))) static void
 attend_v4(const mpitree_attn_args *a, const float *q, const float *k, const float *v,
-          float *out, float *scratch)
+          float *out, float *scratch, int in_order)
 {
-    attend_impl(a, q, k, v, out, scratch, 1);
+    attend_impl(a, q, k, v, out, scratch, 1, in_order);
 }
 
 __attribute__((target("arch=x86-64-v3"))) static void
 attend_v3(const mpitree_attn_args *a, const float *q, const float *k, const float *v,
-          float *out, float *scratch)
+          float *out, float *scratch, int in_order)
 {
-    attend_impl(a, q, k, v, out, scratch, 0);
+    attend_impl(a, q, k, v, out, scratch, 0, in_order);
 }
 #endif
 
 static void attend_base(const mpitree_attn_args *a, const float *q, const float *k,
-                        const float *v, float *out, float *scratch)
+                        const float *v, float *out, float *scratch, int in_order)
 {
-    attend_impl(a, q, k, v, out, scratch, 0);
+    attend_impl(a, q, k, v, out, scratch, 0, in_order);
 }
 
 static int best_level(void)
@@ -537,6 +549,67 @@ const char *mpitree_kernel_isa(void)
 #endif
 }
 
+/* Run build `level` of the kernel. */
+static void attend_level(int level, const mpitree_attn_args *a, const float *q, const float *k,
+                         const float *v, float *out, float *scratch, int in_order)
+{
+#ifdef MPITREE_X86_CLONES
+    if (level == 4) {
+        attend_v4(a, q, k, v, out, scratch, in_order);
+        return;
+    }
+    if (level == 3) {
+        attend_v3(a, q, k, v, out, scratch, in_order);
+        return;
+    }
+#endif
+    attend_base(a, q, k, v, out, scratch, in_order);
+}
+
+/* How one_row_in_order calls read, per build: the hardware prefetcher alone (address
+ * order) or software prefetch. Which is faster differs between machines of one type
+ * (kernel_bw.py, MHA 16/16, D = 128, v4: 91-92% of the read floor in address order
+ * against 66-70% prefetching on one; 76-82% against 90-93% on another). The first
+ * ORDER_TRIES calls reading at least ORDER_BYTES time the two ways in turn, and the
+ * process keeps the one of least time per byte (the least of its tries: a try slowed
+ * by another process does not count against it). Smaller calls and calls while it
+ * decides read in address order. Results never depend on it: the same sums. */
+#define ORDER_TRIES 8
+#define ORDER_BYTES (8 << 20)
+
+static struct {
+    int tries, timed, chosen; /* chosen: -1 until decided, then 1 (address order) or 0 */
+    double ns_per_byte[ORDER_TRIES];
+} read_order[5] = {{0, 0, -1, {0}}, {0, 0, -1, {0}}, {0, 0, -1, {0}}, {0, 0, -1, {0}},
+                   {0, 0, -1, {0}}};
+static int forced_order = -1; /* tests and benchmarks: 1 or 0 forces a way, -1 times them */
+
+static double now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
+}
+
+/* Force the way one_row_in_order calls read: 1 address order, 0 prefetching, -1 the
+ * timed choice (the default), started over, -2 as it is. Returns the way build `level` (4, 3, 1; 0: the one
+ * selected) now uses: 1, 0, or -1 while it has not decided. For tests and benchmarks. */
+int mpitree_kernel_read_order(int force, int level)
+{
+    if (force >= -1 && force <= 1) /* anything else (-2) keeps what is forced */
+        forced_order = force;
+    if (force == -1) /* the timed choice starts over (not while a kernel runs) */
+        for (int l = 0; l < 5; ++l) {
+            read_order[l].tries = read_order[l].timed = 0;
+            read_order[l].chosen = -1;
+        }
+    if (!kernel_level)
+        mpitree_kernel_select(0);
+    level = level == 4 || level == 3 || level == 1 ? level : kernel_level;
+    return forced_order >= 0 ? forced_order
+                             : __atomic_load_n(&read_order[level].chosen, __ATOMIC_ACQUIRE);
+}
+
 /* q: (B, Hq, Sq, D) float32 contiguous; out: (B, Hq, Sq, D + 2) float32 records;
  * scratch: mpitree_attend_scratch(G * Sq, D) floats (the caller owns it). Keys are
  * taken in chunks with a running max (online softmax), K and V read once each. */
@@ -545,15 +618,35 @@ void mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float 
 {
     if (!kernel_level)
         mpitree_kernel_select(0);
-#ifdef MPITREE_X86_CLONES
-    if (kernel_level == 4) {
-        attend_v4(a, q, k, v, out, scratch);
+    const int level = kernel_level;
+    if (!one_row_in_order(a)) {
+        attend_level(level, a, q, k, v, out, scratch, 0);
         return;
     }
-    if (kernel_level == 3) {
-        attend_v3(a, q, k, v, out, scratch);
+    const int forced = forced_order;
+    const int chosen = __atomic_load_n(&read_order[level].chosen, __ATOMIC_ACQUIRE);
+    if (forced >= 0 || chosen >= 0) {
+        attend_level(level, a, q, k, v, out, scratch, forced >= 0 ? forced : chosen);
         return;
     }
-#endif
-    attend_base(a, q, k, v, out, scratch);
+    double keys = 0.0;
+    for (int64_t b = 0; b < a->batch; ++b)
+        keys += (double)(a->lens ? a->lens[b] : a->t);
+    const double bytes = 8.0 * keys * (double)(a->kv_heads * a->head_dim);
+    const int attempt = bytes >= ORDER_BYTES
+                        ? __atomic_fetch_add(&read_order[level].tries, 1, __ATOMIC_RELAXED)
+                        : ORDER_TRIES;
+    if (attempt >= ORDER_TRIES) {
+        attend_level(level, a, q, k, v, out, scratch, 1);
+        return;
+    }
+    const double t0 = now_ns();
+    attend_level(level, a, q, k, v, out, scratch, attempt & 1);
+    read_order[level].ns_per_byte[attempt] = (now_ns() - t0) / bytes;
+    if (__atomic_add_fetch(&read_order[level].timed, 1, __ATOMIC_ACQ_REL) == ORDER_TRIES) {
+        double least[2] = {INFINITY, INFINITY};
+        for (int i = 0; i < ORDER_TRIES; ++i)
+            least[i & 1] = fmin(least[i & 1], read_order[level].ns_per_byte[i]);
+        __atomic_store_n(&read_order[level].chosen, least[1] <= least[0], __ATOMIC_RELEASE);
+    }
 }

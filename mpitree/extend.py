@@ -45,7 +45,8 @@ Benchmarks and tools measure through the same layer, locally (no MPI):
 ``traffic`` counts the bytes handed to MPI, ``Prepared`` runs the compiled kernel
 alone, ``read_seconds`` times the read floor, ``kernel_isa`` names the kernel
 build (``kernel_levels`` lists the builds this CPU runs, ``select_kernel`` picks
-one), ``plan_merger`` gives a plan's merger (its merge alone) and
+one, ``kernel_read_order`` says or forces how one row per KV head reads),
+``plan_merger`` gives a plan's merger (its merge alone) and
 ``full_checks`` turns a plan's fast path off. None of them costs anything
 when unused.
 
@@ -66,7 +67,15 @@ from ._guard import (
     flagged_allreduce,
 )
 from ._invariant_step import invariant_pieces, invariant_signature
-from ._kernel import BoundLayer, Prepared, kernel_isa, kernel_levels, read_seconds, select_kernel
+from ._kernel import (
+    BoundLayer,
+    Prepared,
+    kernel_isa,
+    kernel_levels,
+    kernel_read_order,
+    read_seconds,
+    select_kernel,
+)
 from ._local import attend, state_records
 from ._masks import visibility
 from ._merger import Merger, merger_for
@@ -119,6 +128,7 @@ __all__ = [
     "invariant_signature",
     "kernel_isa",
     "kernel_levels",
+    "kernel_read_order",
     "merge_records",
     "merger_for",
     "namespace",

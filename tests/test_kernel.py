@@ -11,6 +11,7 @@ from mpitree._kernel import (
     attend_native,
     kernel_isa,
     kernel_levels,
+    kernel_read_order,
     native_kernel_available,
     select_kernel,
 )
@@ -366,10 +367,11 @@ def test_nan_scores_poison_the_row_in_every_build(level, poison):
 @pytest.mark.parametrize("dim", [128, 64, 72, 19, 160, 256])
 @pytest.mark.parametrize("case", ["plain", "ragged", "masked", "poisoned"])
 def test_one_row_in_address_order_is_bitwise_the_prefetching_path(level, dim, case):
-    """One row per KV head over contiguous key rows reads in address order (no prefetch).
+    """One row per KV head over contiguous key rows may read in address order (no prefetch).
 
     The same sums in the same order: its records equal, bit for bit, those of the same
-    data laid out with key rows apart (the prefetching path), over several chunks.
+    data laid out with key rows apart (the prefetching path) and those of the same
+    contiguous rows read prefetching, over several chunks.
     """
     rng = np.random.default_rng([dim, level, len(case)])
     b, h, t = 2, 3, 777
@@ -387,11 +389,21 @@ def test_one_row_in_address_order_is_bitwise_the_prefetching_path(level, dim, ca
         k[0, 1, 600, 3] = np.nan
         v[1, 2, 290, 5] = np.inf
     records = []
-    for kk, vv in ((k, v), (np.ascontiguousarray(k), np.ascontiguousarray(v))):
-        out = np.full((b, h, 1, dim + 2), -7.0, np.float32)
-        assert attend_native(q, kk, vv, 1 / np.sqrt(dim), lens, vis, out)
-        records.append(out)
+    together = np.ascontiguousarray(k), np.ascontiguousarray(v)
+    try:
+        for (kk, vv), way in (
+            ((k, v), "timed"),
+            (together, "prefetch"),
+            (together, "address order"),
+        ):
+            assert kernel_read_order(way) == way.replace("timed", "undecided")
+            out = np.full((b, h, 1, dim + 2), -7.0, np.float32)
+            assert attend_native(q, kk, vv, 1 / np.sqrt(dim), lens, vis, out)
+            records.append(out)
+    finally:
+        kernel_read_order("timed")
     assert np.array_equal(records[0], records[1], equal_nan=True)
+    assert np.array_equal(records[0], records[2], equal_nan=True)
     ref = state_records(namespace(q), q, k, v, 1 / np.sqrt(dim), lens, vis, "float64")
     assert np.array_equal(np.isnan(records[1]), np.isnan(ref))
     if case == "poisoned":
@@ -399,6 +411,41 @@ def test_one_row_in_address_order_is_bitwise_the_prefetching_path(level, dim, ca
     else:  # excluded garbage contributes nothing: every record finite, as float64 says
         assert np.isfinite(records[1]).all()
         assert_allclose(records[1], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_the_timed_read_order_decides_after_eight_large_calls_and_changes_no_bit(level):
+    """Large one-row calls time both ways in turn, then keep one; every call gives the same bits."""
+    rng = np.random.default_rng(level)
+    q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    k, v = rng.standard_normal((2, 1, 4, 8192, 64)).astype(np.float32)  # 16 MiB read a call
+    small = k[:, :, :64], v[:, :, :64]
+    outs = []
+    try:
+        assert kernel_read_order("timed") == "undecided"
+        for _ in range(3):  # below 8 MiB: not timed
+            assert attend_native(q, *small, 0.125, None, None, np.empty((1, 4, 1, 66), np.float32))
+        assert kernel_read_order() == "undecided"
+        for i in range(9):
+            out = np.empty((1, 4, 1, 66), np.float32)
+            assert attend_native(q, k, v, 0.125, None, None, out)
+            outs.append(out)
+            assert (kernel_read_order() == "undecided") == (i < 7), i
+        assert kernel_read_order(level=level) in ("address order", "prefetch")
+    finally:
+        kernel_read_order("timed")
+    for out in outs[1:]:
+        assert np.array_equal(out, outs[0])
+    ref = state_records(namespace(q), q, k, v, 0.125, None, None, "float64")
+    assert_allclose(outs[0], ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", ["sideways", 1, True, b"prefetch"])
+def test_kernel_read_order_refuses_what_is_not_a_way(bad):
+    """Only None and the three names are ways; nothing else silently forces one."""
+    before = kernel_read_order()
+    with pytest.raises(ValueError, match="force is one of"):
+        kernel_read_order(bad)
+    assert kernel_read_order() == before
 
 
 @pytest.mark.parametrize(
