@@ -97,15 +97,21 @@ def select_kernel(level=0):
     RuntimeError
         Without the compiled library.
     """
+    level = _checked_level(level)
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("mpitree: the native library is not built")
+    return lib.mpitree_kernel_select(level)
+
+
+def _checked_level(level):
+    """Return ``level`` as an int if it is 0, 4, 3 or 1; raise TypeError/ValueError if not."""
     if isinstance(level, bool) or not hasattr(type(level), "__index__"):
         raise TypeError(f"mpitree: a kernel level is an int, not {type(level).__name__}")
     level = operator.index(level)
     if level not in (0, *ISA_LEVELS):
         raise ValueError(f"mpitree: kernel level {level} is not one of 0, 4, 3, 1")
-    lib = _lib()
-    if lib is None:
-        raise RuntimeError("mpitree: the native library is not built")
-    return lib.mpitree_kernel_select(level)
+    return level
 
 
 _READ_ORDERS = {1: "address order", 0: "prefetch", -1: "undecided"}
@@ -117,9 +123,9 @@ def kernel_read_order(force=None, level=0):
 
     Such calls (MHA, one query) can read K and V in address order, leaving the
     fetching to the hardware prefetcher, or prefetch in software: the same sums, bit
-    for bit, but which is faster differs between machines of one type. The process
-    times both ways on its first 8 such calls that read at least 8 MiB, in turn, and
-    keeps the faster; until then it reads in address order.
+    for bit, but which is faster differs between machines. The process times both
+    ways, in turn, on its first 8 such calls that read at least 8 MiB, and keeps the
+    faster; other such calls before then read in address order.
 
     Parameters
     ----------
@@ -128,7 +134,8 @@ def kernel_read_order(force=None, level=0):
         thread runs the kernel): use one way from now on, or ``"timed"`` to go back
         to the timed choice, timing afresh. None changes nothing.
     level : int, optional
-        The kernel build asked about (4, 3 or 1); 0 for the one selected.
+        The kernel build asked about (4, 3 or 1, lowered to the best this CPU runs,
+        as `select_kernel` does); 0 for the one selected.
 
     Returns
     -------
@@ -138,18 +145,21 @@ def kernel_read_order(force=None, level=0):
 
     Raises
     ------
+    TypeError
+        ``level`` is not an integer.
     ValueError
-        ``force`` is not one of the above.
+        ``force`` is not one of the above, or ``level`` not 0, 4, 3 or 1.
     RuntimeError
         Without the compiled library.
     """
     if not isinstance(force, (str, type(None))) or force not in _FORCE:
         names = ", ".join(repr(f) for f in _FORCE)
         raise ValueError(f"mpitree: force is one of {names}, not {force!r}")
+    level = _checked_level(level)
     lib = _lib()
     if lib is None:
         raise RuntimeError("mpitree: the native library is not built")
-    return _READ_ORDERS[lib.mpitree_kernel_read_order(_FORCE[force], operator.index(level))]
+    return _READ_ORDERS[lib.mpitree_kernel_read_order(_FORCE[force], level)]
 
 
 def _element_strides(x):

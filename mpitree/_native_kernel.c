@@ -12,7 +12,7 @@
 /* Lines a fixed distance ahead are prefetched into L2 (the passes read      */
 /* several key rows side by side, an order the hardware prefetcher does not  */
 /* follow). With one row per KV head (MHA, Sq = 1) and contiguous key rows,  */
-/* both passes can instead read memory in address order and leave the        */
+/* both passes can instead read memory in address order and leave the       */
 /* fetching to the hardware prefetcher: the same sums, and faster on some    */
 /* machines, slower on others, so the process times both ways on its first  */
 /* large calls and keeps the faster (see read_order). All arithmetic is      */
@@ -576,22 +576,35 @@ static void attend_level(int level, const mpitree_attn_args *a, const float *q, 
 }
 
 /* How one_row_in_order calls read, per build: the hardware prefetcher alone (address
- * order) or software prefetch. Which is faster differs between machines of one type
- * (kernel_bw.py, MHA 16/16, D = 128, v4: 91-92% of the read floor in address order
- * against 66-70% prefetching on one; 76-82% against 90-93% on another). The first
+ * order) or software prefetch. Which is faster differs between machines (kernel_bw.py,
+ * MHA 16/16, D = 128, v4: on an AMD Zen 4 VM 91-92% of the read floor in address order
+ * against 66-70% prefetching; on an Intel Xeon VM 73-82% against 84-93%). The first
  * ORDER_TRIES calls reading at least ORDER_BYTES time the two ways in turn, and the
  * process keeps the one of least time per byte (the least of its tries: a try slowed
- * by another process does not count against it). Smaller calls and calls while it
- * decides read in address order. Results never depend on it: the same sums. */
+ * by another process does not count against it). Smaller calls, and calls past the
+ * tries while they run, read in address order. A decode step's layers together stream
+ * from memory however small one layer's call is. Results never depend on the way: the
+ * same sums. */
 #define ORDER_TRIES 8
 #define ORDER_BYTES (8 << 20)
 
 static struct {
-    int tries, timed, chosen; /* chosen: -1 until decided, then 1 (address order) or 0 */
+    int tries, timed, kept; /* kept: 0 until decided, then 1 + the way (1 address order) */
     double ns_per_byte[ORDER_TRIES];
-} read_order[5] = {{0, 0, -1, {0}}, {0, 0, -1, {0}}, {0, 0, -1, {0}}, {0, 0, -1, {0}},
-                   {0, 0, -1, {0}}};
+} read_order[5]; /* zero: nothing timed, nothing kept (no try left a slot unwritten) */
 static int forced_order = -1; /* tests and benchmarks: 1 or 0 forces a way, -1 times them */
+
+/* Start build `level`'s timed choice over: a try still running when this is called may
+ * count as one of the new ones, but it writes its own time, and a slot no try wrote
+ * stays infinite, never the least. */
+static void start_timing(int level)
+{
+    __atomic_store_n(&read_order[level].kept, 0, __ATOMIC_RELAXED);
+    for (int i = 0; i < ORDER_TRIES; ++i)
+        read_order[level].ns_per_byte[i] = INFINITY;
+    __atomic_store_n(&read_order[level].timed, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&read_order[level].tries, 0, __ATOMIC_RELEASE);
+}
 
 static double now_ns(void)
 {
@@ -601,22 +614,22 @@ static double now_ns(void)
 }
 
 /* Force the way one_row_in_order calls read: 1 address order, 0 prefetching, -1 the
- * timed choice (the default), started over, -2 as it is. Returns the way build `level` (4, 3, 1; 0: the one
- * selected) now uses: 1, 0, or -1 while it has not decided. For tests and benchmarks. */
+ * timed choice (the default), started over, -2 as it is. Returns the way build `level`
+ * (4, 3, 1, lowered to the best this CPU runs; 0: the one selected) now uses: 1, 0,
+ * or -1 while it has not decided. For tests and benchmarks. */
 int mpitree_kernel_read_order(int force, int level)
 {
     if (force >= -1 && force <= 1) /* anything else (-2) keeps what is forced */
-        forced_order = force;
-    if (force == -1) /* the timed choice starts over (not while a kernel runs) */
-        for (int l = 0; l < 5; ++l) {
-            read_order[l].tries = read_order[l].timed = 0;
-            read_order[l].chosen = -1;
-        }
+        __atomic_store_n(&forced_order, force, __ATOMIC_RELAXED);
+    if (force == -1)
+        for (int l = 0; l < 5; ++l)
+            start_timing(l);
     if (!kernel_level)
         mpitree_kernel_select(0);
-    level = level == 4 || level == 3 || level == 1 ? level : kernel_level;
-    return forced_order >= 0 ? forced_order
-                             : __atomic_load_n(&read_order[level].chosen, __ATOMIC_ACQUIRE);
+    const int best = best_level();
+    level = level <= 0 ? kernel_level : level > best ? best : level >= 4 ? 4 : level >= 3 ? 3 : 1;
+    const int forced = __atomic_load_n(&forced_order, __ATOMIC_RELAXED);
+    return forced >= 0 ? forced : __atomic_load_n(&read_order[level].kept, __ATOMIC_ACQUIRE) - 1;
 }
 
 /* q: (B, Hq, Sq, D) float32 contiguous; out: (B, Hq, Sq, D + 2) float32 records;
@@ -632,8 +645,8 @@ void mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float 
         attend_level(level, a, q, k, v, out, scratch, 0);
         return;
     }
-    const int forced = forced_order;
-    const int chosen = __atomic_load_n(&read_order[level].chosen, __ATOMIC_ACQUIRE);
+    const int forced = __atomic_load_n(&forced_order, __ATOMIC_RELAXED);
+    const int chosen = __atomic_load_n(&read_order[level].kept, __ATOMIC_ACQUIRE) - 1;
     if (forced >= 0 || chosen >= 0) {
         attend_level(level, a, q, k, v, out, scratch, forced >= 0 ? forced : chosen);
         return;
@@ -656,6 +669,6 @@ void mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float 
         double least[2] = {INFINITY, INFINITY};
         for (int i = 0; i < ORDER_TRIES; ++i)
             least[i & 1] = fmin(least[i & 1], read_order[level].ns_per_byte[i]);
-        __atomic_store_n(&read_order[level].chosen, least[1] <= least[0], __ATOMIC_RELEASE);
+        __atomic_store_n(&read_order[level].kept, 1 + (least[1] <= least[0]), __ATOMIC_RELEASE);
     }
 }

@@ -439,12 +439,19 @@ def test_the_timed_read_order_decides_after_eight_large_calls_and_changes_no_bit
     assert_allclose(outs[0], ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("bad", ["sideways", 1, True, b"prefetch"])
-def test_kernel_read_order_refuses_what_is_not_a_way(bad):
-    """Only None and the three names are ways; nothing else silently forces one."""
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        *[(dict(force=f), ValueError, "force is one of") for f in ("sideways", 1, True, b"ab")],
+        *[(dict(level=x), ValueError, "kernel level") for x in (2, -1, 7, 2**32 + 3)],
+        *[(dict(level=x), TypeError, "kernel level") for x in (True, 3.0, "4")],
+    ],
+)
+def test_kernel_read_order_refuses_what_is_not_a_way_or_level(bad, error, match):
+    """Only None and the three names are ways, only 0, 4, 3, 1 levels: nothing else is taken."""
     before = kernel_read_order()
-    with pytest.raises(ValueError, match="force is one of"):
-        kernel_read_order(bad)
+    with pytest.raises(error, match=match):
+        kernel_read_order(**bad)
     assert kernel_read_order() == before
 
 
