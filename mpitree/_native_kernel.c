@@ -19,8 +19,9 @@
 /* float32.                                                                  */
 /*                                                                           */
 /* The same code is compiled three times on x86-64 with GCC and picked at    */
-/* run time: x86-64-v4 (AVX-512VL: 32 vector registers, wider blocking for   */
-/* 8 or more rows a KV head), x86-64-v3 (AVX2, FMA) and the baseline (SSE2). */
+/* run time: x86-64-v4 (AVX-512VL: 32 vector registers, wider blocking, for  */
+/* 8 or more rows a KV head; fewer run the v3 build's code), x86-64-v3       */
+/* (AVX2, FMA) and the baseline (SSE2).                                      */
 /* ------------------------------------------------------------------------- */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
@@ -487,28 +488,31 @@ int64_t mpitree_attend_scratch(int64_t rows, int64_t dim)
 /* Builds of the kernel: 4 = x86-64-v4 (AVX-512), 3 = x86-64-v3 (AVX2, FMA), 1 = the
  * baseline (x86-64 SSE2, or portable C elsewhere). */
 #ifdef MPITREE_X86_CLONES
-__attribute__((target("arch=x86-64-v4"))) static void
-attend_v4(const mpitree_attn_args *a, const float *q, const float *k, const float *v,
-          float *out, float *scratch, int in_order)
-{
-    /* The wider blocking pays where a KV head's rows make the work compute-bound (8 or
-     * more: a GQA group of 8, tree verification); fewer rows stream memory better with
-     * v3's (Intel Xeon VM, 512 MB of K+V, % of the read floor, narrow against wide:
-     * GQA 32/8 82% / 78%, SmolLM2's 9/3 at D = 64 65% / 59%; but 64/8 46% / 49% and
-     * 4 queries of a 32/8 layer 29% / 33%). The choice follows the shape alone, which
-     * ranks share; a head dim not a multiple of 8 rounds its tail sums differently. */
-    if (a->q_heads / a->kv_heads * a->q_len >= 8)
-        attend_impl(a, q, k, v, out, scratch, 1, in_order);
-    else
-        attend_impl(a, q, k, v, out, scratch, 0, in_order);
-}
-
 __attribute__((target("arch=x86-64-v3"))) static void
 attend_v3(const mpitree_attn_args *a, const float *q, const float *k, const float *v,
           float *out, float *scratch, int in_order)
 {
     attend_impl(a, q, k, v, out, scratch, 0, in_order);
 }
+
+__attribute__((target("arch=x86-64-v4"))) static void
+attend_v4(const mpitree_attn_args *a, const float *q, const float *k, const float *v,
+          float *out, float *scratch, int in_order)
+{
+    /* The wider blocking pays where a KV head's rows make the work compute-bound (8 or
+     * more: a GQA group of 8, tree verification); fewer rows stream memory better with
+     * v3's blocking (Intel Xeon VM, 512 MB of K+V, % of the read floor, narrow against
+     * wide: GQA 32/8 82% / 78%, SmolLM2's 9/3 at D = 64 65% / 59%; but 64/8 46% / 49%
+     * and 4 queries of a 32/8 layer 29% / 33%), and better still as v3's own machine
+     * code (kernel_bw.py, GQA 32/8: 85-86% against 81-83% compiled for v4). The choice
+     * follows the shape alone, which ranks share; a head dim not a multiple of 8
+     * rounds its tail sums differently from the wide blocking. */
+    if (a->q_heads / a->kv_heads * a->q_len >= 8)
+        attend_impl(a, q, k, v, out, scratch, 1, in_order);
+    else
+        attend_v3(a, q, k, v, out, scratch, in_order);
+}
+
 #endif
 
 static void attend_base(const mpitree_attn_args *a, const float *q, const float *k,
