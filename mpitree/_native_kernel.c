@@ -398,7 +398,7 @@ MPITREE_INLINE void block_chunk(const mpitree_attn_args *a, const float *qs, con
 }
 
 /* The whole kernel; `wide`: blocking for 32 vector registers (AVX-512VL);
- * `in_order`: reading in address order without prefetching (see attend_impl). */
+ * `in_order`: reading in address order without prefetching (see read_order). */
 MPITREE_INLINE void attend_rows(const mpitree_attn_args *a, const float *q, const float *k,
                                 const float *v, float *out, float *scratch, const int wide,
                                 const int in_order)
