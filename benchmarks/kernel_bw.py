@@ -7,6 +7,7 @@ build of the kernel this CPU runs is measured (``--isa`` picks some); ``--before
 times another build of the library on the same build level in the same run.
 
     .venv/bin/python benchmarks/kernel_bw.py --tokens 65536 --steps 15 --rounds 3
+    .venv/bin/python benchmarks/kernel_bw.py --shapes all --before OLD.so
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from mpitree.extend import (
     select_kernel,
 )
 
-SHAPES = {
-    "llama3-8b GQA 32/8": (32, 8, 128),
-    "paper-block MHA 16/16": (16, 16, 128),
+SHAPES = {  # (Hq, Hkv, D, Sq): rows a KV head = Hq / Hkv * Sq
+    "llama3-8b GQA 32/8": (32, 8, 128, 1),
+    "paper-block MHA 16/16": (16, 16, 128, 1),
+    "llama3-70b GQA 64/8": (64, 8, 128, 1),
+    "8 queries of 32/8": (32, 8, 128, 8),
 }
+DEFAULT_SHAPES = ("llama3-8b GQA 32/8", "paper-block MHA 16/16")
 
 
 def other_build(path, level):
@@ -52,10 +56,10 @@ def other_build(path, level):
     return run
 
 
-def measure(hq, hkv, dim, tokens, steps, before=None, dtype=np.float32):
+def measure(hq, hkv, dim, sq, tokens, steps, before=None, dtype=np.float32):
     """Return (read GB/s, kernel GB/s, before GB/s or nan), medians of interleaved repeats."""
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((1, hq, 1, dim), dtype=np.float32).astype(dtype)
+    q = rng.standard_normal((1, hq, sq, dim), dtype=np.float32).astype(dtype)
     k = rng.standard_normal((1, hkv, tokens, dim), dtype=np.float32).astype(dtype)
     v = rng.standard_normal((1, hkv, tokens, dim), dtype=np.float32).astype(dtype)
     kv32 = (k.astype(np.float32), v.astype(np.float32)) if dtype != np.float32 else (k, v)
@@ -101,6 +105,15 @@ def isa_levels(text):
     return levels
 
 
+def shape_names(text):
+    """Parse ``--shapes``: comma-separated names of SHAPES, or "all"."""
+    names = tuple(SHAPES) if text == "all" else tuple(x.strip() for x in text.split(","))
+    unknown = [x for x in names if x not in SHAPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)!r}: not among {', '.join(SHAPES)}")
+    return names
+
+
 def main():
     """Print kernel vs read bandwidth per shape, with the spread over rounds."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -114,6 +127,12 @@ def main():
         default=None,
         help="comma-separated kernel builds: 4 (x86-64-v4), 3 (x86-64-v3), 1 (baseline); "
         "default: every build this CPU runs",
+    )
+    parser.add_argument(
+        "--shapes",
+        type=shape_names,
+        default=DEFAULT_SHAPES,
+        help=f"comma-separated, among: {', '.join(SHAPES)}; 'all' for every one",
     )
     args = parser.parse_args()
     levels = args.isa or kernel_levels()
@@ -130,10 +149,10 @@ def main():
             f"{'shape':<24}{'round':>6}{'read GB/s':>11}{'kernel GB/s':>13}{'ratio':>8}"
             f"{'before GB/s':>13}{'ratio':>8}"
         )
-        for label, (hq, hkv, dim) in SHAPES.items():
+        for label in args.shapes:
             ratios = []
             for r in range(args.rounds):
-                read, kern, old = measure(hq, hkv, dim, args.tokens, args.steps, before)
+                read, kern, old = measure(*SHAPES[label], args.tokens, args.steps, before)
                 ratios.append(kern / read)
                 print(
                     f"{label:<24}{r:>6}{read:>11.1f}{kern:>13.1f}{kern / read:>8.0%}"

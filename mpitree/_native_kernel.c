@@ -3,10 +3,11 @@
 /*                                                                           */
 /* For each (batch b, kv head h) the R = G * Sq query rows of its GQA group  */
 /* share every key. Keys are taken in chunks (online softmax, running max);  */
-/* per chunk and per block of up to 4 rows, one pass over K writes the       */
-/* block's scores (register-blocked: rows x keys accumulators, so a K vector */
-/* loaded once feeds every row of the block), one pass turns them into       */
-/* weights (max, exp, sum), and one pass over V accumulates the numerators   */
+/* per chunk and per block of up to 8 rows (4 in the baseline build), one   */
+/* pass over K writes the block's scores (register-blocked: rows x keys      */
+/* accumulators, so a K vector loaded once feeds every row of the block),    */
+/* one pass turns them into weights (max, exp, sum), and one pass over V     */
+/* accumulates the numerators                                                */
 /* (rows x columns accumulators, a V vector loaded once feeds every row).    */
 /* K and V come from memory once (later row blocks hit the chunk in L2).     */
 /* Lines a fixed distance ahead are prefetched into L2 (the passes read      */
@@ -21,7 +22,9 @@
 /* The same code is compiled three times on x86-64 with GCC and picked at    */
 /* run time: x86-64-v4 (AVX-512VL: 32 vector registers, wider blocking, for  */
 /* 8 or more rows a KV head; fewer run the v3 build's code), x86-64-v3       */
-/* (AVX2, FMA) and the baseline (SSE2).                                      */
+/* (AVX2, FMA) and the baseline (SSE2). For head dims that are multiples of */
+/* 8, every sum takes its terms in the same order in the v3 and v4 builds,   */
+/* whatever their blocking: they give the same bits.                         */
 /* ------------------------------------------------------------------------- */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
@@ -145,7 +148,8 @@ MPITREE_INLINE void prefetch_row(const float *p, int64_t len)
 
 /* Scores of one block of rb rows (q: rb rows of dim) against keys [0, n) of k:
  * s[j * rb + r] = q_r . k_j (interleaved: row r of key j). kb keys at a time, with
- * rb * kb (8 or 16) vector accumulators reduced by transpose-adds. The key rows
+ * rb * kb (8 or 16) vector accumulators reduced by transpose-adds (the same tree of
+ * additions for every row and key, whatever the blocking). The key rows
  * `pf` keys ahead are prefetched when pf > 0, a line of each per two steps of the
  * dot products (a burst of a block's rows of lines at once stalled on the misses it
  * had in flight: a GQA group of 4 rows ran at 67% of the read floor, spread at 85%),
@@ -181,7 +185,7 @@ MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int
 #pragma GCC unroll 16
                 for (int kk = 0; kk < kb; ++kk)
                     kv[kk] = load8(kj + kk * ks + x);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
                 for (int r = 0; r < rb; ++r) {
                     const v8f qv = load8(q + r * dim + x);
 #pragma GCC unroll 16
@@ -217,7 +221,7 @@ MPITREE_INLINE void block_weights(float *s, int64_t n, const int rb, float *m, f
     v8f vm = bcast8(-INFINITY);
     for (int64_t e = 0; e < t8; e += 8)
         vm = max8(load8(s + e), vm);
-    float cm[4], shift[4], sum[4];
+    float cm[8], shift[8], sum[8];
     for (int r = 0; r < rb; ++r)
         cm[r] = -INFINITY;
     for (int l = 0; l < 8; ++l)
@@ -260,7 +264,7 @@ MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs
                                       const int cb, float *acc, int masked, int64_t pf)
 {
     v8f c[16];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < rb; ++r)
 #pragma GCC unroll 16
         for (int i = 0; i < cb; ++i)
@@ -269,11 +273,11 @@ MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs
         const float *vj = v + j * vs + x0, *wj = w + j * rb;
         if (pf > 0) /* this block's columns of the row pf keys ahead */
             prefetch_row(vj + pf * vs, 8 * cb);
-        v8f wr[4];
+        v8f wr[8];
 #if defined(__GNUC__) && !defined(__clang__)
         /* one load and in-register broadcasts (reads up to 8 floats: scratch is padded) */
         const v8f wv = load8(wj);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < rb; ++r)
             wr[r] = __builtin_shuffle(wv, (v8i){r, r, r, r, r, r, r, r});
 #else
@@ -295,7 +299,7 @@ MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs
 #pragma GCC unroll 16
                 for (int i = 0; i < cb; ++i) {
                     const v8f vv = load8(vj + 8 * i);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
                     for (int r = 0; r < rb; ++r) {
                         c[r * cb + i] += select8((v8i)wr[r] != gone, wr[r] * vv, zero);
                     }
@@ -306,12 +310,12 @@ MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs
 #pragma GCC unroll 16
         for (int i = 0; i < cb; ++i) {
             const v8f vv = load8(vj + 8 * i);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int r = 0; r < rb; ++r)
                 c[r * cb + i] += wr[r] * vv;
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < rb; ++r)
 #pragma GCC unroll 16
         for (int i = 0; i < cb; ++i)
@@ -378,7 +382,7 @@ MPITREE_INLINE void block_chunk(const mpitree_attn_args *a, const float *qs, con
                 s[j * rb + r] = vr[j] ? s[j * rb + r] : -INFINITY; /* garbage k never leaks */
             }
         }
-    float scale[4];
+    float scale[8];
     block_weights(s, cn, rb, mx + r0, den + r0, scale);
     if (masked) /* excluded keys: weight -0.0 (exp gave +0.0), which the value pass skips */
         for (int r = 0; r < rb; ++r) {
@@ -401,7 +405,7 @@ MPITREE_INLINE void block_chunk(const mpitree_attn_args *a, const float *qs, con
  * `in_order`: reading in address order without prefetching (see read_order). */
 MPITREE_INLINE void attend_rows(const mpitree_attn_args *a, const float *q, const float *k,
                                 const float *v, float *out, float *scratch, const int wide,
-                                const int in_order)
+                                const int eight, const int in_order)
 {
     const int64_t dim = a->head_dim, sq = a->q_len, g = a->q_heads / a->kv_heads;
     const int64_t rows = g * sq, w = dim + 2;
@@ -433,7 +437,16 @@ MPITREE_INLINE void attend_rows(const mpitree_attn_args *a, const float *q, cons
                 for (int64_t r0 = 0; r0 < rows;) {
                     const int64_t left = rows - r0, p0 = r0 ? 0 : ahead;
                     float *sb = s + r0 * CHUNK;
-                    if (left >= 4) {
+                    /* blocks of 8 rows where the build has the registers (v3, v4): a
+                     * GQA group of 8 (Llama-3 70B) streams each chunk in one pass, not in
+                     * a prefetching block of 4 then one reading L2 (kernel_bw.py, 64/8, %
+                     * of the read floor: v4 49-50% -> 66-68%, v3 46-47% -> 56%); 16 or
+                     * 32 rows, compute-bound, run as fast as in blocks of 4 */
+                    if (eight && left >= 8) {
+                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 8, wide, acc, mx, den, sb, p0,
+                                    in_order);
+                        r0 += 8;
+                    } else if (left >= 4) {
                         block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 4, wide, acc, mx, den, sb, p0,
                                     in_order);
                         r0 += 4;
@@ -471,12 +484,12 @@ static int one_row_in_order(const mpitree_attn_args *a)
  * prefetching; otherwise prefetch. Each is its own specialised copy. */
 MPITREE_INLINE void attend_impl(const mpitree_attn_args *a, const float *q, const float *k,
                                 const float *v, float *out, float *scratch, const int wide,
-                                int in_order)
+                                const int eight, int in_order)
 {
     if (in_order)
-        attend_rows(a, q, k, v, out, scratch, wide, 1);
+        attend_rows(a, q, k, v, out, scratch, wide, eight, 1);
     else
-        attend_rows(a, q, k, v, out, scratch, wide, 0);
+        attend_rows(a, q, k, v, out, scratch, wide, eight, 0);
 }
 
 /* Scratch floats mpitree_attend_f32 needs (independent of the shard length). */
@@ -492,7 +505,7 @@ __attribute__((target("arch=x86-64-v3"))) static void
 attend_v3(const mpitree_attn_args *a, const float *q, const float *k, const float *v,
           float *out, float *scratch, int in_order)
 {
-    attend_impl(a, q, k, v, out, scratch, 0, in_order);
+    attend_impl(a, q, k, v, out, scratch, 0, 1, in_order);
 }
 
 __attribute__((target("arch=x86-64-v4"))) static void
@@ -508,7 +521,7 @@ attend_v4(const mpitree_attn_args *a, const float *q, const float *k, const floa
      * follows the shape alone, which ranks share; a head dim not a multiple of 8
      * rounds its tail sums differently from the wide blocking. */
     if (a->q_heads / a->kv_heads * a->q_len >= 8)
-        attend_impl(a, q, k, v, out, scratch, 1, in_order);
+        attend_impl(a, q, k, v, out, scratch, 1, 1, in_order);
     else
         attend_v3(a, q, k, v, out, scratch, in_order);
 }
@@ -518,7 +531,7 @@ attend_v4(const mpitree_attn_args *a, const float *q, const float *k, const floa
 static void attend_base(const mpitree_attn_args *a, const float *q, const float *k,
                         const float *v, float *out, float *scratch, int in_order)
 {
-    attend_impl(a, q, k, v, out, scratch, 0, in_order);
+    attend_impl(a, q, k, v, out, scratch, 0, 0, in_order);
 }
 
 static int best_level(void)

@@ -124,6 +124,35 @@ def test_every_build_this_cpu_supports_is_tested():
     assert len(set(names)) == len(LEVELS), names
 
 
+@pytest.mark.skipif(not {3, 4} <= set(LEVELS), reason="needs the x86-64-v3 and v4 builds")
+@pytest.mark.parametrize("g,sq", [(1, 1), (4, 1), (3, 2), (8, 1), (4, 2), (3, 3), (5, 3), (4, 8)])
+@pytest.mark.parametrize("dim", [128, 72, 8])
+def test_v3_and_v4_builds_give_the_same_bits(g, sq, dim):
+    """The builds block rows and keys differently, but every sum takes its terms in one order.
+
+    For head dims that are multiples of 8: from 8 rows a KV head, the tail of a
+    longer head dim (its last ``D % 8`` products) rounds differently in the two.
+    """
+    rng = np.random.default_rng([g, sq, dim])
+    b, hkv, t = 2, 2, 600  # t > CHUNK, and not a multiple of any key block
+    q = rng.standard_normal((b, hkv * g, sq, dim)).astype(np.float32)
+    k, v = rng.standard_normal((2, b, hkv, t, dim)).astype(np.float32)
+    lens = np.array([t, 437])
+    vis = rng.random((b, hkv * g, sq, t)) < 0.7
+    outs = []
+    for level in (4, 3):
+        select_kernel(level)
+        try:
+            for mask in (None, vis):
+                out = np.zeros((b, hkv * g, sq, dim + 2), np.float32)
+                assert attend_native(q, k, v, 0.3, lens, mask, out)
+                outs.append(out)
+        finally:
+            select_kernel(0)
+    np.testing.assert_array_equal(outs[0], outs[2])
+    np.testing.assert_array_equal(outs[1], outs[3])
+
+
 @pytest.mark.parametrize("g,sq", [(1, 1), (2, 1), (4, 1), (3, 1), (8, 1), (4, 3), (1, 7)])
 @pytest.mark.parametrize("dim", [128, 72, 19])
 def test_long_shards_cross_chunks(level, g, sq, dim):
@@ -185,7 +214,7 @@ def test_tree_rows_over_a_visible_prefix_match_float64(level, g, nodes, heads_ma
     assert not np.isnan(out[~sees]).any()
 
 
-@pytest.mark.parametrize("g,sq", [(4, 1), (1, 1), (2, 3), (3, 2)])
+@pytest.mark.parametrize("g,sq", [(4, 1), (1, 1), (2, 3), (3, 2), (4, 2), (3, 3), (8, 2)])
 def test_garbage_in_excluded_slots_contributes_nothing(level, g, sq):
     """NaN/inf in keys and values no row sees, or only some rows see, never leak."""
     rng = np.random.default_rng([g, sq, level])
@@ -333,22 +362,23 @@ def test_a_prompt_binds_no_kernel_step_after_step(monkeypatch):
     assert built == []
 
 
+@pytest.mark.parametrize("g", [3, 9])  # 9: a block of 8 rows and one of 1
 @pytest.mark.parametrize("poison", ["nan key", "inf key", "nan value"])
-def test_nan_scores_poison_the_row_in_every_build(level, poison):
+def test_nan_scores_poison_the_row_in_every_build(level, poison, g):
     """Every build's max lets NaN win, as numpy's does: one definition of "poisoned".
 
     A row with a NaN score gets ``m = NaN`` (never -inf, which would read as empty
     and be dropped by the merge); a weight-0 key's NaN value stays NaN in ``n``.
     """
     rng = np.random.default_rng(2)
-    b, hkv, g, t, dim = 2, 2, 3, 300, 20  # t > CHUNK: the NaN chunk is not the first
+    b, hkv, t, dim = 2, 2, 300, 20  # t > CHUNK: the NaN chunk is not the first
     q = np.abs(rng.standard_normal((b, hkv * g, 1, dim)).astype(np.float32)) + 0.1
     k = rng.standard_normal((b, hkv, t, dim)).astype(np.float32)
     v = rng.standard_normal((b, hkv, t, dim)).astype(np.float32)
     if poison == "nan key":
         k[0, 1, 280] = np.nan
     elif poison == "inf key":
-        q[0, 3:, :, 1] = -1.0
+        q[0, g:, :, 1] = -1.0
         k[0, 1, 280] = np.inf
     else:
         k[0, 1, 280] = -np.inf
@@ -359,7 +389,7 @@ def test_nan_scores_poison_the_row_in_every_build(level, poison):
     assert np.array_equal(np.isnan(native), np.isnan(ref))
     assert np.isnan(native).any()
     if poison != "nan value":
-        assert np.isnan(native[0, 3:6, :, 0]).all()  # the poisoned rows' m
+        assert np.isnan(native[0, g : 2 * g, :, 0]).all()  # the poisoned rows' m
     fin = ~np.isnan(ref)
     assert_allclose(native[fin], ref[fin], rtol=1e-4, atol=1e-4)
 
