@@ -23,7 +23,10 @@ WORKLOADS = {
     "llama3-8b": dict(q_heads=32, kv_heads=8, head_dim=128),
     # the paper's benchmark block (section 6.6.1): 16 heads of dimension 128
     "paper-block": dict(q_heads=16, kv_heads=16, head_dim=128),
+    # Llama-3-70B attention layer: 64 query heads, 8 KV heads (a GQA group of 8), D = 128
+    "llama3-70b": dict(q_heads=64, kv_heads=8, head_dim=128),
 }
+DEFAULT_WORKLOADS = ("llama3-8b", "paper-block")
 STRATEGIES = ("allreduce", "allreduce3", "allgather", "hierarchical", "ring")
 DEFAULT_TOKENS = "32768,65536,131072,262144"
 QUICK_TOKENS = "2048,4096"
@@ -33,7 +36,7 @@ def add_arguments(parser):
     """Register the benchmark's options."""
     parser.add_argument(
         "--workloads",
-        default=",".join(WORKLOADS),
+        default=",".join(DEFAULT_WORKLOADS),
         help=f"comma-separated, from {', '.join(WORKLOADS)}",
     )
     parser.add_argument(
