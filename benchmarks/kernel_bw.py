@@ -106,11 +106,15 @@ def isa_levels(text):
 
 
 def shape_names(text):
-    """Parse ``--shapes``: comma-separated names of SHAPES, or "all"."""
-    names = tuple(SHAPES) if text == "all" else tuple(x.strip() for x in text.split(","))
+    """Parse ``--shapes``: comma-separated names of SHAPES (each once), or "all"."""
+    if text.strip() == "all":
+        return tuple(SHAPES)
+    names = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
     unknown = [x for x in names if x not in SHAPES]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"{', '.join(unknown)!r}: not among {', '.join(SHAPES)}")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: comma-separated, among {', '.join(SHAPES)}; or all"
+        )
     return names
 
 

@@ -24,7 +24,8 @@
 /* 8 or more rows a KV head; fewer run the v3 build's code), x86-64-v3       */
 /* (AVX2, FMA) and the baseline (SSE2). For head dims that are multiples of */
 /* 8, every sum takes its terms in the same order in the v3 and v4 builds,   */
-/* whatever their blocking: they give the same bits.                         */
+/* whatever their blocking: they give the same bits (the scalar tails of     */
+/* other head dims are contracted into FMAs differently in the two).         */
 /* ------------------------------------------------------------------------- */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
@@ -440,8 +441,8 @@ MPITREE_INLINE void attend_rows(const mpitree_attn_args *a, const float *q, cons
                     /* blocks of 8 rows where the build has the registers (v3, v4): a
                      * GQA group of 8 (Llama-3 70B) streams each chunk in one pass, not in
                      * a prefetching block of 4 then one reading L2 (kernel_bw.py, 64/8, %
-                     * of the read floor: v4 49-50% -> 66-68%, v3 46-47% -> 56%); 16 or
-                     * 32 rows, compute-bound, run as fast as in blocks of 4 */
+                     * of the read floor: v4 49-53% -> 61-66%, v3 46% -> 56%); 16 or 32
+                     * rows, compute-bound, run as fast as in blocks of 4 */
                     if (eight && left >= 8) {
                         block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 8, wide, acc, mx, den, sb, p0,
                                     in_order);
@@ -513,13 +514,12 @@ attend_v4(const mpitree_attn_args *a, const float *q, const float *k, const floa
           float *out, float *scratch, int in_order)
 {
     /* The wider blocking pays where a KV head's rows make the work compute-bound (8 or
-     * more: a GQA group of 8, tree verification); fewer rows stream memory better with
-     * v3's blocking (Intel Xeon VM, 512 MB of K+V, % of the read floor, narrow against
-     * wide: GQA 32/8 82% / 78%, SmolLM2's 9/3 at D = 64 65% / 59%; but 64/8 46% / 49%
-     * and 4 queries of a 32/8 layer 29% / 33%), and better still as v3's own machine
-     * code (kernel_bw.py, GQA 32/8: 85-86% against 81-83% compiled for v4). The choice
-     * follows the shape alone, which ranks share; a head dim not a multiple of 8
-     * rounds its tail sums differently from the wide blocking. */
+     * more: a GQA group of 8, tree verification; 8 rows x 2 keys against v3's 8 x 1);
+     * fewer rows stream memory better with v3's blocking (Intel Xeon VM, 512 MB of K+V,
+     * % of the read floor, 4-row blocks narrow against wide, before blocks of 8: GQA
+     * 32/8 82% / 78%, SmolLM2's 9/3 at D = 64 65% / 59%), and better still as v3's own
+     * machine code (kernel_bw.py, GQA 32/8: 85-86% against 81-83% compiled for v4).
+     * The choice follows the shape alone, which ranks share. */
     if (a->q_heads / a->kv_heads * a->q_len >= 8)
         attend_impl(a, q, k, v, out, scratch, 1, 1, in_order);
     else

@@ -122,6 +122,13 @@ def test_bench_tables_fit_in_100_columns():
     assert not NEGATIVE.search(res.stdout)
 
 
+def test_bench_refuses_no_or_unknown_workloads_before_any_work():
+    for given, says in (("", "no workload given"), (",", "no workload given"), ("x", "['x']")):
+        res = serial(["-m", "mpitree", "bench", "--quick", "--workloads", given])
+        assert res.returncode != 0 and says in res.stderr, (given, res.stderr[-500:])
+        assert "llama3-70b" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_model_warns_when_extrapolating_a_calibration(tmp_path):
     p, cells = 4, []
     for n in (4096, 8192, 16384):

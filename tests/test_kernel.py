@@ -128,10 +128,11 @@ def test_every_build_this_cpu_supports_is_tested():
 @pytest.mark.parametrize("g,sq", [(1, 1), (4, 1), (3, 2), (8, 1), (4, 2), (3, 3), (5, 3), (4, 8)])
 @pytest.mark.parametrize("dim", [128, 72, 8])
 def test_v3_and_v4_builds_give_the_same_bits(g, sq, dim):
-    """The builds block rows and keys differently, but every sum takes its terms in one order.
+    """The builds block keys differently, but every sum takes its terms in one order.
 
-    For head dims that are multiples of 8: from 8 rows a KV head, the tail of a
-    longer head dim (its last ``D % 8`` products) rounds differently in the two.
+    For head dims that are multiples of 8: from 8 rows a KV head, the scalar tail of
+    other head dims (the last ``D % 8`` products) is contracted into fused
+    multiply-adds differently by the compiler in the two builds.
     """
     rng = np.random.default_rng([g, sq, dim])
     b, hkv, t = 2, 2, 600  # t > CHUNK, and not a multiple of any key block

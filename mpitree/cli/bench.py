@@ -409,10 +409,11 @@ def run(args):
     """Run every (workload, N) cell; rank 0 reports."""
     comm = default_comm()
     rank = comm.Get_rank()
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    workloads = list(dict.fromkeys(w.strip() for w in args.workloads.split(",") if w.strip()))
     unknown = [w for w in workloads if w not in WORKLOADS]
-    if unknown:
-        raise SystemExit(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
+    if unknown or not workloads:
+        what = f"unknown workload(s) {unknown}" if unknown else "no workload given"
+        raise SystemExit(f"{what}; choose from {list(WORKLOADS)}")
     if args.quick:
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
     tokens = [
