@@ -442,7 +442,8 @@ MPITREE_INLINE void attend_rows(const mpitree_attn_args *a, const float *q, cons
                      * GQA group of 8 (Llama-3 70B) streams each chunk in one pass, not in
                      * a prefetching block of 4 then one reading L2 (kernel_bw.py, 64/8, %
                      * of the read floor: v4 49-53% -> 61-66%, v3 46% -> 56%); 16 or 32
-                     * rows, compute-bound, run as fast as in blocks of 4 */
+                     * rows, compute-bound, run 2-5% faster than in blocks of 4
+                     * (tree_verify.py, 4 and 8 nodes of a 32/8 layer) */
                     if (eight && left >= 8) {
                         block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 8, wide, acc, mx, den, sb, p0,
                                     in_order);
