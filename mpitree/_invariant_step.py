@@ -1,14 +1,14 @@
-"""Invariant mode's share of a step: the kernel build to agree on, a shard's canonical pieces."""
+"""Invariant mode's share of a step: the kernel arithmetic ranks agree on, a shard's pieces."""
 
 from __future__ import annotations
 
 from ._invariant import check_placement, leaf_records, local_pieces
-from ._kernel import kernel_isa
+from ._kernel import kernel_arithmetic
 
 
 def invariant_signature(signature):
-    """Invariant mode: add the local kernel's build, whose bits every rank must share."""
-    signature["kernel"] = kernel_isa()
+    """Invariant mode: add the local kernel's arithmetic, whose bits every rank must share."""
+    signature["kernel"] = kernel_arithmetic()
     return signature
 
 

@@ -44,10 +44,32 @@ def kernel_isa():
     -------
     str
         E.g. ``"x86-64-v4 (AVX-512)"``, or ``"numpy (no compiled kernel)"`` without
-        the compiled library. Invariant mode's results depend on it (ranks agree on it).
+        the compiled library. Invariant mode's results depend on its arithmetic
+        (see `kernel_arithmetic`).
     """
     lib = _lib()
     return "numpy (no compiled kernel)" if lib is None else lib.mpitree_kernel_isa().decode()
+
+
+def kernel_arithmetic():
+    """Return the arithmetic whose bits the local kernel gives (local).
+
+    Invariant mode's results depend on it, so ranks agree on it: the x86-64-v3 and v4
+    builds fuse every product into its sum and give the same bits, the baseline and
+    portable builds fuse none, on every compiler (``tests/test_kernel.py`` holds both
+    with golden hashes).
+
+    Returns
+    -------
+    str
+        ``"C kernel, fused multiply-adds"``, ``"C kernel, unfused"``, or
+        ``"numpy (no compiled kernel)"`` without the compiled library.
+    """
+    isa = kernel_isa()
+    if not native_kernel_available():
+        return isa
+    fused = isa.startswith(("x86-64-v4", "x86-64-v3"))
+    return "C kernel, fused multiply-adds" if fused else "C kernel, unfused"
 
 
 # Builds of the compiled kernel, best first: x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA),

@@ -14,9 +14,13 @@
 
 #include <stdint.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #define MPITREE_X86_CLONES 1
+#if __GNUC__ >= 12
 #define MPITREE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else /* GCC 11 has no dispatcher for the x86-64-v3 level */
+#define MPITREE_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
 #define MPITREE_INLINE static inline __attribute__((always_inline))
 #else
 #define MPITREE_CLONES

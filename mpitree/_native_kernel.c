@@ -22,10 +22,20 @@
 /* The same code is compiled three times on x86-64 with GCC and picked at    */
 /* run time: x86-64-v4 (AVX-512VL: 32 vector registers, wider blocking, for  */
 /* 8 or more rows a KV head; fewer run the v3 build's code), x86-64-v3       */
-/* (AVX2, FMA) and the baseline (SSE2). For head dims that are multiples of */
-/* 8, every sum takes its terms in the same order in the v3 and v4 builds,   */
-/* whatever their blocking: they give the same bits (the scalar tails of     */
-/* other head dims are contracted into FMAs differently in the two).         */
+/* (AVX2, FMA) and the baseline (SSE2). Every sum takes its terms in the    */
+/* same order in the v3 and v4 builds, whatever their blocking.              */
+/*                                                                           */
+/* Which products fuse with their sums is spelled out (fma8, fma1), never    */
+/* left to the compiler (the build passes -ffp-contract=off), and the        */
+/* exponentials are the kernel's own (exp8, exp1), not libm's: the v3 and    */
+/* v4 builds fuse every product into its sum, the baseline none. GCC's own   */
+/* contraction differs between versions and between code paths of one      */
+/* build: GCC 13.3's generic tuning left the address-order score loop's      */
+/* multiply-adds unfused and fused the prefetching path's, so the two read   */
+/* orders, chosen by timing, gave different bits. Now a build gives the     */
+/* same bits on every compiler, C library and CPU, its paths the same bits   */
+/* as each other, and the v3 and v4 builds the same bits for every head dim  */
+/* (tests/test_kernel.py holds golden hashes).                               */
 /* ------------------------------------------------------------------------- */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
@@ -77,27 +87,53 @@ MPITREE_INLINE int excluded1(float w)
 
 MPITREE_INLINE float max1(float a, float b) { return a > b || a != a ? a : b; }
 
+/* a * b + c: one rounding where `fused` (the v3 and v4 builds), two otherwise. The
+ * vector FMA is GCC's builtin, not the intrinsic: the intrinsic is an always-inline
+ * function of its own target, which GCC will not inline into these shared helpers.
+ * Only the builds with FMA reach it (fused = 1), so only they expand it. */
+#ifdef MPITREE_X86_CLONES
+#include <immintrin.h> /* declares the builtin (it sets its own target to do so) */
+#define FMA8_FUSED(a, b, c) __builtin_ia32_vfmaddps256((a), (b), (c))
+#else
+#define FMA8_FUSED(a, b, c) ((a) * (b) + (c))
+#endif
+
+MPITREE_INLINE v8f fma8(v8f a, v8f b, v8f c, const int fused)
+{
+    return fused ? FMA8_FUSED(a, b, c) : a * b + c;
+}
+
+MPITREE_INLINE float fma1(float a, float b, float c, const int fused)
+{
+    return fused ? __builtin_fmaf(a, b, c) : a * b + c;
+}
+
 /* exp(x) for 8 lanes, Cephes-style: ~1 ulp for x in [-87, 88]; exactly 0 below
  * -87.3 (so exp(-inf) = 0, as masked keys need), +inf above 88.7. */
-MPITREE_INLINE v8f exp8(v8f x)
+MPITREE_INLINE v8f exp8(v8f x, const int fused)
 {
     const v8f zero = {0}, lo = zero - 87.3365f, hi = zero + 88.7228f;
     const v8i under = x < lo, over = x > hi;
     x = select8(under, lo, select8(over, hi, x));
     const v8f magic = zero + 12582912.0f; /* 1.5 * 2^23: round to nearest integer */
-    const v8f n = (x * 1.44269504088896341f + magic) - magic;
-    const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    const v8f n = fma8(x, zero + 1.44269504088896341f, magic, fused) - magic;
+    const v8f r = fma8(n, zero + 2.12194440e-4f, fma8(n, zero - 0.693359375f, x, fused), fused);
     v8f p = zero + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    p = fma8(p, r, zero + 1.3981999507e-3f, fused);
+    p = fma8(p, r, zero + 8.3334519073e-3f, fused);
+    p = fma8(p, r, zero + 4.1665795894e-2f, fused);
+    p = fma8(p, r, zero + 1.6666665459e-1f, fused);
+    p = fma8(p, r, zero + 5.0000001201e-1f, fused);
+    p = fma8(p * r, r, r, fused) + 1.0f;
     const v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
     const v8f y = p * (v8f)e;
     return select8(under, zero, select8(over, zero + INFINITY, y));
 }
+
+/* exp(x) for one float: exp8's lane, so that a chunk's last keys and the rescaling of
+ * the running sums round as every other weight does, on every C library and CPU (libm's
+ * expf differs between libraries, and glibc picks its own by the CPU's FMA). */
+MPITREE_INLINE float exp1(float x, const int fused) { return exp8(bcast8(x), fused)[0]; }
 
 #if defined(__clang__)
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
@@ -118,15 +154,15 @@ MPITREE_INLINE v8f hsum8x8(const v8f *x)
 }
 
 /* Dot product of a and b: vector body, scalar tail. */
-MPITREE_INLINE float dot(const float *a, const float *b, int64_t dim)
+MPITREE_INLINE float dot(const float *a, const float *b, int64_t dim, const int fused)
 {
     const int64_t d8 = dim & ~(int64_t)7;
     v8f acc = {0};
     for (int64_t x = 0; x < d8; x += 8)
-        acc += load8(a + x) * load8(b + x);
+        acc = fma8(load8(a + x), load8(b + x), acc, fused);
     float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     for (int64_t x = d8; x < dim; ++x)
-        sum += a[x] * b[x];
+        sum = fma1(a[x], b[x], sum, fused);
     return sum;
 }
 
@@ -158,7 +194,7 @@ MPITREE_INLINE void prefetch_row(const float *p, int64_t len)
  * each key's row is read whole before the next (the same sums in the same order). */
 MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int64_t n,
                                  int64_t dim, const int rb, const int kb, int64_t pf,
-                                 int in_order, float *s)
+                                 int in_order, const int fused, float *s)
 {
     const int64_t d8 = dim & ~(int64_t)7, nb = n - n % kb;
     const int64_t reach = (d8 + 15) & ~(int64_t)15; /* floats whose lines the steps prefetch */
@@ -176,7 +212,7 @@ MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int
 #pragma GCC unroll 16
             for (int kk = 0; kk < kb; ++kk)
                 for (int64_t x = 0; x < d8; x += 8)
-                    acc[kk] += load8(q + x) * load8(kj + kk * ks + x);
+                    acc[kk] = fma8(load8(q + x), load8(kj + kk * ks + x), acc[kk], fused);
         else
             for (int64_t x = 0; x < d8; x += 8) {
                 v8f kv[16];
@@ -191,7 +227,7 @@ MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int
                     const v8f qv = load8(q + r * dim + x);
 #pragma GCC unroll 16
                     for (int kk = 0; kk < kb; ++kk)
-                        acc[kk * rb + r] += qv * kv[kk];
+                        acc[kk * rb + r] = fma8(qv, kv[kk], acc[kk * rb + r], fused);
                 }
             }
 #pragma GCC unroll 2
@@ -199,7 +235,8 @@ MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int
             v8f sv = hsum8x8(acc + g);
             for (int64_t x = d8; x < dim; ++x)
                 for (int i = 0; i < 8; ++i)
-                    sv[i] += q[((g + i) % rb) * dim + x] * kj[((g + i) / rb) * ks + x];
+                    sv[i] = fma1(q[((g + i) % rb) * dim + x], kj[((g + i) / rb) * ks + x],
+                                 sv[i], fused);
             store8(s + j * rb + g, sv);
         }
     }
@@ -207,7 +244,7 @@ MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int
         if (pf > 0)
             prefetch_row(k + (j + pf) * ks, dim);
         for (int r = 0; r < rb; ++r)
-            s[j * rb + r] = dot(q + r * dim, k + j * ks, dim);
+            s[j * rb + r] = dot(q + r * dim, k + j * ks, dim, fused);
     }
 }
 
@@ -216,7 +253,7 @@ MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int
  * exp(m_old - m_new) by which row r's earlier numerator must be scaled (0 while the
  * row has seen no visible key). rb divides 8, so lane l of a vector is row l % rb. */
 MPITREE_INLINE void block_weights(float *s, int64_t n, const int rb, float *m, float *den,
-                                  float *scale)
+                                  float *scale, const int fused)
 {
     const int64_t total = n * rb, t8 = total & ~(int64_t)7;
     v8f vm = bcast8(-INFINITY);
@@ -233,7 +270,7 @@ MPITREE_INLINE void block_weights(float *s, int64_t n, const int rb, float *m, f
     for (int r = 0; r < rb; ++r) {
         const float fresh = max1(cm[r], m[r]);
         shift[r] = fresh == -INFINITY ? 0.0f : fresh;
-        scale[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - shift[r]);
+        scale[r] = m[r] == -INFINITY ? 0.0f : exp1(m[r] - shift[r], fused);
         m[r] = fresh;
         sum[r] = 0.0f;
     }
@@ -241,28 +278,30 @@ MPITREE_INLINE void block_weights(float *s, int64_t n, const int rb, float *m, f
         vshift[l] = shift[l % rb];
     v8f vs = {0};
     for (int64_t e = 0; e < t8; e += 8) {
-        const v8f w = exp8(load8(s + e) - vshift);
+        const v8f w = exp8(load8(s + e) - vshift, fused);
         store8(s + e, w);
         vs += w;
     }
     for (int l = 0; l < 8; ++l)
         sum[l % rb] += vs[l];
     for (int64_t e = t8; e < total; ++e) {
-        s[e] = expf(s[e] - shift[e % rb]);
+        s[e] = exp1(s[e] - shift[e % rb], fused);
         sum[e % rb] += s[e];
     }
     for (int r = 0; r < rb; ++r)
-        den[r] = den[r] * scale[r] + sum[r];
+        den[r] = fma1(den[r], scale[r], sum[r], fused);
 }
 
 /* acc_r[x0 + c] += sum_j w[j * rb + r] v_j[x0 + c] for rows r < rb, keys [j0, jn), the
  * cb vectors of columns from x0: rb * cb register accumulators. `masked`: the chunk
  * has excluded keys (weight -0.0, see EXCLUDED_BITS) whose values may be garbage (a
- * cache's unused slots): a key no row of the block sees is skipped, and otherwise the
- * products of excluded weights are selected out, never multiplied into the sums. */
+ * cache's unused slots): a key no row of the block sees is skipped, and otherwise a
+ * row keeps its multiply-add only where it sees the key (an excluded key's term never
+ * enters a sum, and a seen key's term rounds as in an unmasked chunk). */
 MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs, int64_t j0,
                                       int64_t jn, int64_t dim, int64_t x0, const int rb,
-                                      const int cb, float *acc, int masked, int64_t pf)
+                                      const int cb, float *acc, int masked, int64_t pf,
+                                      const int fused)
 {
     v8f c[16];
 #pragma GCC unroll 8
@@ -294,15 +333,15 @@ MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs
             if (!seen)
                 continue; /* no row sees this key: its value is never read */
             if (!all) {
-                const v8f zero = {0};
                 const v8i gone = {EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS,
                                   EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS};
 #pragma GCC unroll 16
                 for (int i = 0; i < cb; ++i) {
                     const v8f vv = load8(vj + 8 * i);
 #pragma GCC unroll 8
-                    for (int r = 0; r < rb; ++r) {
-                        c[r * cb + i] += select8((v8i)wr[r] != gone, wr[r] * vv, zero);
+                    for (int r = 0; r < rb; ++r) { /* a seen key's term rounds as unmasked */
+                        const v8f sum = fma8(wr[r], vv, c[r * cb + i], fused);
+                        c[r * cb + i] = select8((v8i)wr[r] != gone, sum, c[r * cb + i]);
                     }
                 }
                 continue;
@@ -313,7 +352,7 @@ MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs
             const v8f vv = load8(vj + 8 * i);
 #pragma GCC unroll 8
             for (int r = 0; r < rb; ++r)
-                c[r * cb + i] += wr[r] * vv;
+                c[r * cb + i] = fma8(wr[r], vv, c[r * cb + i], fused);
         }
     }
 #pragma GCC unroll 8
@@ -333,7 +372,7 @@ MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs
  * floor; each sum still takes its keys in order). */
 MPITREE_INLINE void block_values(const float *w, const float *v, int64_t vs, int64_t n,
                                  int64_t dim, const int rb, const int cb, float *acc, int masked,
-                                 int64_t pf, int in_order)
+                                 int64_t pf, int in_order, const int fused)
 {
     const int64_t wide = dim - dim % (8 * cb), d8 = dim & ~(int64_t)7;
     const int64_t keys = in_order && dim > 128      ? 1
@@ -343,9 +382,9 @@ MPITREE_INLINE void block_values(const float *w, const float *v, int64_t vs, int
     for (int64_t j0 = 0; j0 < n; j0 += keys) {
         const int64_t jn = j0 + keys < n ? j0 + keys : n;
         for (int64_t x0 = 0; x0 < wide; x0 += 8 * cb)
-            block_values_cols(w, v, vs, j0, jn, dim, x0, rb, cb, acc, masked, pf);
+            block_values_cols(w, v, vs, j0, jn, dim, x0, rb, cb, acc, masked, pf, fused);
         for (int64_t x0 = wide; x0 < d8; x0 += 8)
-            block_values_cols(w, v, vs, j0, jn, dim, x0, rb, 1, acc, masked, pf);
+            block_values_cols(w, v, vs, j0, jn, dim, x0, rb, 1, acc, masked, pf, fused);
         if (d8 < dim)
             for (int64_t j = j0; j < jn; ++j) {
                 if (pf > 0)
@@ -355,7 +394,7 @@ MPITREE_INLINE void block_values(const float *w, const float *v, int64_t vs, int
                     if (masked && excluded1(x))
                         continue;
                     for (int64_t c = d8; c < dim; ++c)
-                        acc[r * dim + c] += x * v[j * vs + c];
+                        acc[r * dim + c] = fma1(x, v[j * vs + c], acc[r * dim + c], fused);
                 }
             }
     }
@@ -365,11 +404,11 @@ MPITREE_INLINE void block_values(const float *w, const float *v, int64_t vs, int
 MPITREE_INLINE void block_chunk(const mpitree_attn_args *a, const float *qs, const float *kc,
                                 const float *vc, int64_t cn, int64_t b, int64_t h, int64_t c0,
                                 int64_t r0, const int rb, const int wide, float *acc, float *mx,
-                                float *den, float *s, int64_t pf, int in_order)
+                                float *den, float *s, int64_t pf, int in_order, const int fused)
 {
     const int64_t dim = a->head_dim, sq = a->q_len, g = a->q_heads / a->kv_heads;
     const int kb = rb == 1 ? 8 : (wide ? 16 : 8) / rb;
-    block_scores(qs + r0 * dim, kc, a->k_strides[2], cn, dim, rb, kb, pf, in_order, s);
+    block_scores(qs + r0 * dim, kc, a->k_strides[2], cn, dim, rb, kb, pf, in_order, fused, s);
     int masked = 0; /* any key of this chunk excluded for some row of the block */
     if (a->vis)
         for (int r = 0; r < rb; ++r) {
@@ -384,7 +423,7 @@ MPITREE_INLINE void block_chunk(const mpitree_attn_args *a, const float *qs, con
             }
         }
     float scale[8];
-    block_weights(s, cn, rb, mx + r0, den + r0, scale);
+    block_weights(s, cn, rb, mx + r0, den + r0, scale, fused);
     if (masked) /* excluded keys: weight -0.0 (exp gave +0.0), which the value pass skips */
         for (int r = 0; r < rb; ++r) {
             const int64_t row = r0 + r;
@@ -399,15 +438,17 @@ MPITREE_INLINE void block_chunk(const mpitree_attn_args *a, const float *qs, con
             for (int64_t x = 0; x < dim; ++x)
                 acc[(r0 + r) * dim + x] *= scale[r];
     block_values(s, vc, a->v_strides[2], cn, dim, rb, (wide ? 16 : 8) / rb,
-                 acc + r0 * dim, masked, pf, in_order);
+                 acc + r0 * dim, masked, pf, in_order, fused);
 }
 
-/* The whole kernel; `wide`: blocking for 32 vector registers (AVX-512VL);
+/* The whole kernel as build `level` runs it (4: blocking for 32 vector registers,
+ * AVX-512VL; 3 and 4: blocks of 8 rows and fused multiply-adds; 1: neither);
  * `in_order`: reading in address order without prefetching (see read_order). */
 MPITREE_INLINE void attend_rows(const mpitree_attn_args *a, const float *q, const float *k,
-                                const float *v, float *out, float *scratch, const int wide,
-                                const int eight, const int in_order)
+                                const float *v, float *out, float *scratch, const int level,
+                                const int in_order)
 {
+    const int wide = level == 4, eight = level >= 3, fused = level >= 3;
     const int64_t dim = a->head_dim, sq = a->q_len, g = a->q_heads / a->kv_heads;
     const int64_t rows = g * sq, w = dim + 2;
     /* prefetch distance: about 32 KB of keys ahead */
@@ -446,19 +487,19 @@ MPITREE_INLINE void attend_rows(const mpitree_attn_args *a, const float *q, cons
                      * (tree_verify.py, 4 and 8 nodes of a 32/8 layer) */
                     if (eight && left >= 8) {
                         block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 8, wide, acc, mx, den, sb, p0,
-                                    in_order);
+                                    in_order, fused);
                         r0 += 8;
                     } else if (left >= 4) {
                         block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 4, wide, acc, mx, den, sb, p0,
-                                    in_order);
+                                    in_order, fused);
                         r0 += 4;
                     } else if (left >= 2) {
                         block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 2, wide, acc, mx, den, sb, p0,
-                                    in_order);
+                                    in_order, fused);
                         r0 += 2;
                     } else {
                         block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 1, wide, acc, mx, den, sb, p0,
-                                    in_order);
+                                    in_order, fused);
                         r0 += 1;
                     }
                 }
@@ -485,13 +526,13 @@ static int one_row_in_order(const mpitree_attn_args *a)
 /* `in_order` (one_row_in_order calls only): read in address order, without
  * prefetching; otherwise prefetch. Each is its own specialised copy. */
 MPITREE_INLINE void attend_impl(const mpitree_attn_args *a, const float *q, const float *k,
-                                const float *v, float *out, float *scratch, const int wide,
-                                const int eight, int in_order)
+                                const float *v, float *out, float *scratch, const int level,
+                                int in_order)
 {
     if (in_order)
-        attend_rows(a, q, k, v, out, scratch, wide, eight, 1);
+        attend_rows(a, q, k, v, out, scratch, level, 1);
     else
-        attend_rows(a, q, k, v, out, scratch, wide, eight, 0);
+        attend_rows(a, q, k, v, out, scratch, level, 0);
 }
 
 /* Scratch floats mpitree_attend_f32 needs (independent of the shard length). */
@@ -507,7 +548,7 @@ __attribute__((target("arch=x86-64-v3"))) static void
 attend_v3(const mpitree_attn_args *a, const float *q, const float *k, const float *v,
           float *out, float *scratch, int in_order)
 {
-    attend_impl(a, q, k, v, out, scratch, 0, 1, in_order);
+    attend_impl(a, q, k, v, out, scratch, 3, in_order);
 }
 
 __attribute__((target("arch=x86-64-v4"))) static void
@@ -522,7 +563,7 @@ attend_v4(const mpitree_attn_args *a, const float *q, const float *k, const floa
      * machine code (kernel_bw.py, GQA 32/8: 85-86% against 81-83% compiled for v4).
      * The choice follows the shape alone, which ranks share. */
     if (a->q_heads / a->kv_heads * a->q_len >= 8)
-        attend_impl(a, q, k, v, out, scratch, 1, 1, in_order);
+        attend_impl(a, q, k, v, out, scratch, 4, in_order);
     else
         attend_v3(a, q, k, v, out, scratch, in_order);
 }
@@ -532,16 +573,32 @@ attend_v4(const mpitree_attn_args *a, const float *q, const float *k, const floa
 static void attend_base(const mpitree_attn_args *a, const float *q, const float *k,
                         const float *v, float *out, float *scratch, int in_order)
 {
-    attend_impl(a, q, k, v, out, scratch, 0, 0, in_order);
+    attend_impl(a, q, k, v, out, scratch, 1, in_order);
 }
+
+/* The level names are GCC 12's; GCC 11 (Ubuntu 22.04's) checks their features, the
+ * ones the kernel's code uses (the vector ISAs with the OS's support for their
+ * registers, which libgcc checks; and BMI, BMI2, which every CPU with AVX2 and FMA has). */
+#if defined(__GNUC__) && __GNUC__ >= 12
+#define CPU_V4 __builtin_cpu_supports("x86-64-v4")
+#define CPU_V3 __builtin_cpu_supports("x86-64-v3")
+#else
+#define CPU_V3                                                                             \
+    (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&                   \
+     __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2"))
+#define CPU_V4                                                                             \
+    (CPU_V3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&  \
+     __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&           \
+     __builtin_cpu_supports("avx512cd"))
+#endif
 
 static int best_level(void)
 {
 #ifdef MPITREE_X86_CLONES
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4"))
+    if (CPU_V4)
         return 4;
-    if (__builtin_cpu_supports("x86-64-v3"))
+    if (CPU_V3)
         return 3;
 #endif
     return 1;

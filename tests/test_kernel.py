@@ -1,5 +1,7 @@
 """The compiled float32 local kernel against the numpy reference kernel."""
 
+import hashlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -7,6 +9,7 @@ from hypothesis import strategies as st
 from numpy.testing import assert_allclose
 
 from mpitree import reference_attention
+from mpitree._invariant_step import invariant_signature
 from mpitree._kernel import (
     attend_native,
     kernel_isa,
@@ -125,15 +128,14 @@ def test_every_build_this_cpu_supports_is_tested():
 
 
 @pytest.mark.parametrize("g,sq", [(1, 1), (4, 1), (3, 2), (8, 1), (4, 2), (3, 3), (5, 3), (4, 8)])
-@pytest.mark.parametrize("dim", [128, 72, 8])
+@pytest.mark.parametrize("dim", [128, 72, 19, 8])
 def test_v3_and_v4_builds_give_the_same_bits(g, sq, dim):
     """The builds block keys differently, but every sum takes its terms in one order.
 
-    For head dims that are multiples of 8: from 8 rows a KV head, the scalar tail of
-    other head dims (the last ``D % 8`` products) is contracted into fused
-    multiply-adds differently by the compiler in the two builds. A CPU without
-    AVX-512 runs one of them only: nothing to compare there (not a skip, which the
-    test runner refuses for all but cuda- and cluster-marked tests).
+    Every head dim: the kernel fuses each product into its sum itself in both builds,
+    the scalar tails too (the compiler's own contraction fused them differently in the
+    two). A CPU without AVX-512 runs one of them only: nothing to compare there (not a
+    skip, which the test runner refuses for all but cuda- and cluster-marked tests).
     """
     if not {3, 4} <= set(LEVELS):
         return
@@ -155,6 +157,103 @@ def test_v3_and_v4_builds_give_the_same_bits(g, sq, dim):
             select_kernel(0)
     np.testing.assert_array_equal(outs[0], outs[2])
     np.testing.assert_array_equal(outs[1], outs[3])
+
+
+def _exact(shape, seed):
+    """Float32 values in [-2, 2) from integer arithmetic alone (no generator's stream)."""
+    i = np.arange(int(np.prod(shape)), dtype=np.uint64) + np.uint64(seed * 1_000_003)
+    x = (i * np.uint64(2654435761)) % np.uint64(1 << 32)
+    return ((x >> np.uint64(8)).astype(np.float64) / 2**22 - 2).astype(np.float32).reshape(shape)
+
+
+# sha256 of golden_records' bytes: the same on every compiler and C library (GCC 11, 12,
+# 13.2 and 13.3, clang 14 for the portable build). A change to the kernel's arithmetic
+# changes them on purpose: then update them here, and say so (ranks must run one version).
+GOLDEN = {
+    # the x86-64-v3 and v4 builds
+    "fused": "eb9c76e86b4f5ecfffb68a774994fe925bbbbd74ae05811fbd99a1705ad059e0",
+    # the baseline build and portable C
+    "unfused": "8e7ed77e947170fe4408bd1f27ba891ae8ceb9a18b34cfc4ebb6adc48b8bb082",
+}
+
+
+def golden_records():
+    """The kernel's records over fixed inputs: row blocks of 1 to 8, ragged, masked."""
+    out_bytes = []
+    shapes = [
+        (4, 4, 1, 128, 700),
+        (8, 2, 1, 72, 600),
+        (9, 3, 1, 64, 555),
+        (16, 2, 1, 128, 513),
+        (8, 2, 3, 19, 300),
+        (4, 1, 8, 160, 260),
+        (2, 2, 1, 256, 1000),
+    ]
+    for n, (hq, hkv, sq, dim, t) in enumerate(shapes):
+        q = _exact((2, hq, sq, dim), 3 * n)
+        k, v = _exact((2, 2, hkv, t, dim), 3 * n + 1)
+        vis = _exact((2, hq, sq, t), 3 * n + 2) > -1.2
+        lens = np.array([t, t // 2 + 3])
+        ways = ("prefetch", "address order") if hq == hkv and sq == 1 else ("timed",)
+        for way in ways:
+            for kv_len, mask in ((None, None), (lens, None), (None, vis), (lens, vis)):
+                assert kernel_read_order(way) == way.replace("timed", "undecided")
+                out = np.full((2, hq, sq, dim + 2), np.nan, np.float32)
+                assert attend_native(q, k, v, 1 / np.sqrt(dim), kv_len, mask, out)
+                out_bytes.append(out.astype("<f4").tobytes())
+    kernel_read_order("timed")
+    return b"".join(out_bytes)
+
+
+def test_every_compiler_gives_these_bits(level):
+    """The kernel's bits depend on its build's class (fused or not), not on the compiler.
+
+    The kernel spells out which products fuse with their sums and computes its own
+    exponentials; the compiler contracts nothing (``-ffp-contract=off``). GCC 13.3's
+    own contraction, before, left the address-order score loop unfused and fused the
+    prefetching one: the two read orders, chosen by timing, gave different bits.
+    """
+    try:
+        digest = hashlib.sha256(golden_records()).hexdigest()
+    finally:
+        kernel_read_order("timed")
+    kind = "fused" if level >= 3 else "unfused"
+    assert digest == GOLDEN[kind], f"{kind} build ({kernel_isa()}) gives new bits: {digest}"
+
+
+@pytest.mark.parametrize("g", [4, 8])
+@pytest.mark.parametrize("dim", [128, 19])
+def test_a_rows_bits_do_not_depend_on_what_its_block_mates_see(level, g, dim):
+    """A row that sees every key gives the same bits whether or not the rows it shares a
+    block with exclude some: a seen key's term rounds alike in masked and unmasked chunks."""
+    rng = np.random.default_rng([g, dim, level])
+    t = 600
+    q = rng.standard_normal((1, g, 1, dim)).astype(np.float32)
+    k, v = rng.standard_normal((2, 1, 1, t, dim)).astype(np.float32)
+    all_seen = np.ones((1, g, 1, t), bool)
+    some = all_seen.copy()
+    some[0, 1:, 0] = rng.random((g - 1, t)) < 0.6  # the other rows exclude 40% of the keys
+    outs = []
+    for mask in (all_seen, some):
+        out = np.zeros((1, g, 1, dim + 2), np.float32)
+        assert attend_native(q, k, v, 0.3, None, mask, out)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0][0, 0], outs[1][0, 0])
+
+
+def test_invariant_mode_agrees_on_the_arithmetic_not_the_build():
+    """The v3 and v4 builds give the same bits: ranks on either share an invariant run."""
+    seen = {}
+    try:
+        for level in LEVELS:
+            select_kernel(level)
+            seen[level] = invariant_signature({})["kernel"]
+    finally:
+        select_kernel(0)
+    assert seen.get(4, seen.get(3)) == seen.get(3, seen.get(4))
+    fused = {seen[level] for level in seen if level >= 3}
+    assert fused <= {"C kernel, fused multiply-adds"}
+    assert seen.get(1, "C kernel, unfused") == "C kernel, unfused"
 
 
 @pytest.mark.parametrize("g,sq", [(1, 1), (2, 1), (4, 1), (3, 1), (8, 1), (4, 3), (1, 7)])
