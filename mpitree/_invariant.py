@@ -104,7 +104,7 @@ def _joiner(recs):
     """Return ``join(i, j)``: ``recs[i] = combine(recs[i], recs[j])``, in place (C-contiguous).
 
     The compiled combine (the MPI op's own code) when the compiled kernel runs,
-    else numpy's :func:`combine_records`; the kernel build rides in the
+    else numpy's :func:`combine_records`; the kernel's arithmetic rides in the
     agreement, so every rank joins alike. Both are commutative bit for bit
     (larger max first: ``big + exp(small - big) * small``).
     """

@@ -87,15 +87,27 @@ MPITREE_INLINE int excluded1(float w)
 
 MPITREE_INLINE float max1(float a, float b) { return a > b || a != a ? a : b; }
 
+/* a * b + c with one rounding, lane by lane (libm's fmaf, or the FMA instruction where
+ * the build has one): where no vector builtin serves, below. */
+MPITREE_INLINE v8f fma8_lanes(v8f a, v8f b, v8f c)
+{
+    v8f r;
+    for (int i = 0; i < 8; ++i)
+        r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+    return r;
+}
+
 /* a * b + c: one rounding where `fused` (the v3 and v4 builds), two otherwise. The
  * vector FMA is GCC's builtin, not the intrinsic: the intrinsic is an always-inline
  * function of its own target, which GCC will not inline into these shared helpers.
- * Only the builds with FMA reach it (fused = 1), so only they expand it. */
-#ifdef MPITREE_X86_CLONES
+ * Only the builds with FMA reach it (fused = 1), so only they expand it, once the
+ * optimiser has dropped the other builds' dead branch: unoptimised (-O0) builds take
+ * the lanes one by one (the same bits), as do builds off x86, where nothing fuses. */
+#if defined(MPITREE_X86_CLONES) && defined(__OPTIMIZE__)
 #include <immintrin.h> /* declares the builtin (it sets its own target to do so) */
 #define FMA8_FUSED(a, b, c) __builtin_ia32_vfmaddps256((a), (b), (c))
 #else
-#define FMA8_FUSED(a, b, c) ((a) * (b) + (c))
+#define FMA8_FUSED(a, b, c) fma8_lanes((a), (b), (c))
 #endif
 
 MPITREE_INLINE v8f fma8(v8f a, v8f b, v8f c, const int fused)
@@ -199,6 +211,11 @@ MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int
     const int64_t d8 = dim & ~(int64_t)7, nb = n - n % kb;
     const int64_t reach = (d8 + 15) & ~(int64_t)15; /* floats whose lines the steps prefetch */
     const v8f zero = {0};
+    v8f qt[2][7]; /* the tail columns' q lanes of each group of 8 scores (row (g + i) % rb) */
+    for (int g = 0; g < rb * kb; g += 8)
+        for (int64_t x = d8; x < dim; ++x)
+            for (int i = 0; i < 8; ++i)
+                qt[g / 8][x - d8][i] = q[((g + i) % rb) * dim + x];
     for (int64_t j = 0; j < nb; j += kb) {
         const float *kj = k + j * ks;
         if (pf > 0 && reach < dim)
@@ -233,10 +250,12 @@ MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int
 #pragma GCC unroll 2
         for (int g = 0; g < rb * kb; g += 8) {
             v8f sv = hsum8x8(acc + g);
-            for (int64_t x = d8; x < dim; ++x)
+            for (int64_t x = d8; x < dim; ++x) { /* the tail: lane i is key (g + i) / rb */
+                v8f ka;
                 for (int i = 0; i < 8; ++i)
-                    sv[i] = fma1(q[((g + i) % rb) * dim + x], kj[((g + i) / rb) * ks + x],
-                                 sv[i], fused);
+                    ka[i] = kj[((g + i) / rb) * ks + x];
+                sv = fma8(qt[g / 8][x - d8], ka, sv, fused);
+            }
             store8(s + j * rb + g, sv);
         }
     }
@@ -362,6 +381,46 @@ MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs
             store8(acc + r * dim + x0 + 8 * i, c[r * cb + i]);
 }
 
+/* The last dim - d8 (< 8) columns of the value pass over keys [j0, jn), for blocks of 4
+ * or 8 rows (fewer take them row by row): a vector over the block's rows for each
+ * column (lane r: row r, lanes from rb unused), one
+ * multiply-add per key and column, each row's sums in key order as everywhere else;
+ * as in block_values_cols, a key no row sees is skipped and an excluded key's term is
+ * selected out. */
+MPITREE_INLINE void block_values_tail(const float *w, const float *v, int64_t vs, int64_t j0,
+                                      int64_t jn, int64_t dim, int64_t d8, const int rb,
+                                      float *acc, int masked, int64_t pf, const int fused)
+{
+    const v8i gone = {EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS,
+                      EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS};
+    const int cols = (int)(dim - d8);
+    v8f t[7] = {{0}};
+    for (int c = 0; c < cols; ++c)
+        for (int r = 0; r < rb; ++r)
+            t[c][r] = acc[r * dim + d8 + c];
+    for (int64_t j = j0; j < jn; ++j) {
+        const float *vj = v + j * vs + d8;
+        if (pf > 0)
+            prefetch_row(vj + pf * vs, cols);
+        const v8f wv = load8(w + j * rb); /* reads up to 8 floats: scratch is padded */
+        const v8i seen = (v8i)wv != gone;
+        if (masked) {
+            int any = 0;
+            for (int r = 0; r < rb; ++r)
+                any |= seen[r] != 0;
+            if (!any)
+                continue; /* no row sees this key: its value is never read */
+        }
+        for (int c = 0; c < cols; ++c) {
+            const v8f sum = fma8(wv, bcast8(vj[c]), t[c], fused);
+            t[c] = masked ? select8(seen, sum, t[c]) : sum;
+        }
+    }
+    for (int c = 0; c < cols; ++c)
+        for (int r = 0; r < rb; ++r)
+            acc[r * dim + d8 + c] = t[c][r];
+}
+
 /* The value pass of one row block over keys [0, n): a few keys at a time (in L1),
  * columns in blocks of cb vectors, then single vectors, then a scalar tail. Each
  * column block prefetches its own columns of the key row `pf` ahead when pf > 0,
@@ -385,7 +444,9 @@ MPITREE_INLINE void block_values(const float *w, const float *v, int64_t vs, int
             block_values_cols(w, v, vs, j0, jn, dim, x0, rb, cb, acc, masked, pf, fused);
         for (int64_t x0 = wide; x0 < d8; x0 += 8)
             block_values_cols(w, v, vs, j0, jn, dim, x0, rb, 1, acc, masked, pf, fused);
-        if (d8 < dim)
+        if (d8 < dim && rb >= 4)
+            block_values_tail(w, v, vs, j0, jn, dim, d8, rb, acc, masked, pf, fused);
+        else if (d8 < dim)
             for (int64_t j = j0; j < jn; ++j) {
                 if (pf > 0)
                     prefetch_row(v + (j + pf) * vs + d8, dim - d8);

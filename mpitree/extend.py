@@ -26,7 +26,7 @@ options' node size, and every rank gets the same merger. With
 ``deterministic="invariant"`` it is the merger of canonical-tree pieces:
 ``merger.merge(lambda: extend.invariant_pieces(attention, block_size, kv_start,
 kv_blocks, acc))`` returns the ``(rows, D + 2)`` records of the tree's root, and the
-signature gains the kernel build (``extend.invariant_signature``). A call that
+signature gains the kernel's arithmetic (``extend.invariant_signature``). A call that
 merges nothing (``merge=None``) gets no merger: ``extend.agree`` alone is enough.
 
 Sharded prefill (each rank holds other queries) has two collectives of its own,
