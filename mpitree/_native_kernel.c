@@ -85,6 +85,14 @@ MPITREE_INLINE int excluded1(float w)
     return bits == EXCLUDED_BITS;
 }
 
+/* Lane-wise: the weight is not an excluded key's (see EXCLUDED_BITS). */
+MPITREE_INLINE v8i seen8(v8f w)
+{
+    const v8i gone = {EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS,
+                      EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS};
+    return (v8i)w != gone;
+}
+
 MPITREE_INLINE float max1(float a, float b) { return a > b || a != a ? a : b; }
 
 /* a * b + c with one rounding, lane by lane (libm's fmaf, or the FMA instruction where
@@ -352,15 +360,13 @@ MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs
             if (!seen)
                 continue; /* no row sees this key: its value is never read */
             if (!all) {
-                const v8i gone = {EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS,
-                                  EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS};
 #pragma GCC unroll 16
                 for (int i = 0; i < cb; ++i) {
                     const v8f vv = load8(vj + 8 * i);
 #pragma GCC unroll 8
                     for (int r = 0; r < rb; ++r) { /* a seen key's term rounds as unmasked */
                         const v8f sum = fma8(wr[r], vv, c[r * cb + i], fused);
-                        c[r * cb + i] = select8((v8i)wr[r] != gone, sum, c[r * cb + i]);
+                        c[r * cb + i] = select8(seen8(wr[r]), sum, c[r * cb + i]);
                     }
                 }
                 continue;
@@ -391,8 +397,6 @@ MPITREE_INLINE void block_values_tail(const float *w, const float *v, int64_t vs
                                       int64_t jn, int64_t dim, int64_t d8, const int rb,
                                       float *acc, int masked, int64_t pf, const int fused)
 {
-    const v8i gone = {EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS,
-                      EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS, EXCLUDED_BITS};
     const int cols = (int)(dim - d8);
     v8f t[7] = {{0}};
     for (int c = 0; c < cols; ++c)
@@ -403,7 +407,7 @@ MPITREE_INLINE void block_values_tail(const float *w, const float *v, int64_t vs
         if (pf > 0)
             prefetch_row(vj + pf * vs, cols);
         const v8f wv = load8(w + j * rb); /* reads up to 8 floats: scratch is padded */
-        const v8i seen = (v8i)wv != gone;
+        const v8i seen = seen8(wv);
         if (masked) {
             int any = 0;
             for (int r = 0; r < rb; ++r)
