@@ -6,6 +6,9 @@ record every mpitree merge carries), times side by side, interleaved, in one run
 
 - ``MPI.SUM``: ``comm.Allreduce(IN_PLACE, buf, SUM)`` of a numpy buffer of the
   same bytes as the merge buffer: the floor;
+- ``agreement + SUM``: a bare all-reduce (MIN) of four int64, then that ``MPI.SUM``,
+  with no Python between: the floor of a one-shot call, which must agree before it
+  merges;
 - ``plan merge``: a :class:`~mpitree.DecodePlan` step's merge (the plan's merger,
   local work a no-op): what a decode step pays beyond its kernel and output;
 - ``plan step - kernel``: ``plan.decode`` over a ``--keys`` shard minus the C
@@ -100,8 +103,15 @@ def measure(comm, packages, shape, keys, iters, warmup, stats=("median",)):
     rng = np.random.default_rng([6, comm.rank])
     plain = rng.standard_normal((rows + 1, dim + 2)).astype(np.float32)
     recs = rng.standard_normal((rows + 1, dim + 2)).astype(np.float32)
+    agreement = bytearray(32)
+
+    def bare_one_shot():
+        comm.Allreduce(MPI.IN_PLACE, [agreement, MPI.INT64_T], op=MPI.MIN)
+        comm.Allreduce(MPI.IN_PLACE, plain, op=MPI.SUM)
+
     methods = {
         ("", "MPI.SUM"): lambda: comm.Allreduce(MPI.IN_PLACE, plain, op=MPI.SUM),
+        ("", "agreement + SUM"): bare_one_shot,
         ("", "paper 3 allreduces"): paper_allreduce3(comm, recs),
     }
     cleanups = []
@@ -140,6 +150,7 @@ def measure(comm, packages, shape, keys, iters, warmup, stats=("median",)):
 TARGETS = {"plan merge": 1.2, "allreduce_state": 2.0, "tree_decode - kernel": 2.0}
 ORDER = (
     "MPI.SUM",
+    "agreement + SUM",
     "plan merge",
     "plan step - kernel",
     "allreduce_state",
