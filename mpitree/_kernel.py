@@ -51,25 +51,38 @@ def kernel_isa():
     return "numpy (no compiled kernel)" if lib is None else lib.mpitree_kernel_isa().decode()
 
 
+_FLUSH = {
+    1: ", subnormal results flushed to zero",
+    2: ", subnormal inputs read as zero",
+    3: ", subnormals flushed to zero",
+}
+
+
 def kernel_arithmetic():
     """Return the arithmetic whose bits the local kernel gives (local).
 
     Invariant mode's results depend on it, so ranks agree on it: the x86-64-v3 and v4
     builds fuse every product into its sum and give the same bits, the baseline and
     portable builds fuse none, on every compiler (``tests/test_kernel.py`` holds both
-    with golden hashes).
+    with golden hashes). The calling thread's subnormal handling joins it: flush-to-zero
+    (``torch.set_flush_denormal(True)``, or a library built with ``-ffast-math``) changes
+    the bits of the kernel, the merge and numpy alike. It is read on each call (it can
+    change at any time), where the compiled library is loaded.
 
     Returns
     -------
     str
         ``"C kernel, fused multiply-adds"``, ``"C kernel, unfused"``, or
-        ``"numpy (no compiled kernel)"`` without the compiled library.
+        ``"numpy (no compiled kernel)"`` (the kernel forced to numpy, or no compiled
+        library), followed by e.g. ``", subnormals flushed to zero"`` when the thread
+        flushes them.
     """
     isa = kernel_isa()
-    if not native_kernel_available():
-        return isa
-    fused = isa.startswith(("x86-64-v4", "x86-64-v3"))
-    return "C kernel, fused multiply-adds" if fused else "C kernel, unfused"
+    if native_kernel_available():
+        fused = isa.startswith(("x86-64-v4", "x86-64-v3"))
+        isa = "C kernel, fused multiply-adds" if fused else "C kernel, unfused"
+    lib = native_lib()
+    return isa if lib is None else isa + _FLUSH.get(lib.mpitree_flush_mode(), "")
 
 
 # Builds of the compiled kernel, best first: x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA),

@@ -3,7 +3,8 @@
  * mpitree._native (plain C: no mpi.h, no Python.h), which mpitree/_library.py loads with
  * ctypes; the structs and functions below are its whole interface (_library.py mirrors
  * them). The sources, one job each:
- *   _native_op.c      the (m, d, n) combine, as the MPI user functions of the op
+ *   _native_op.c      the (m, d, n) combine, as the MPI user functions of the op, and
+ *                     its own exponential (no libm: the same bits everywhere)
  *   _native_kernel.c  the float32 local-attention kernel: its ISA builds and dispatch
  *   _native_finish.c  the attention output of merged records
  *   _native_layer.c   one decode layer's step, bound once: the kernel, then finishing
@@ -53,12 +54,14 @@ typedef struct {
 int mpitree_nslots(void);
 void *mpitree_bind_slot(int bits, int slot, int dim);
 void mpitree_combine(int bits, const void *in, void *io, int count, int dim);
+void mpitree_merge_exp(int bits, const void *x, void *y, int64_t n);
 
 /* _native_kernel.c */
 int64_t mpitree_attend_scratch(int64_t rows, int64_t dim);
 int mpitree_kernel_best(void);
 int mpitree_kernel_select(int level);
 const char *mpitree_kernel_isa(void);
+int mpitree_flush_mode(void);
 int mpitree_kernel_read_order(int force, int level);
 void mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float *k,
                         const float *v, float *out, float *scratch);

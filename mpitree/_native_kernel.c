@@ -698,6 +698,24 @@ const char *mpitree_kernel_isa(void)
 #endif
 }
 
+/* The calling thread's subnormal handling, which changes the bits of the kernel and the
+ * merge: 1 = results flushed to zero (x86 MXCSR.FTZ), 2 = inputs read as zero
+ * (MXCSR.DAZ), 3 = both (also aarch64's FPCR.FZ); 0 = IEEE (or not known here). */
+int mpitree_flush_mode(void)
+{
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+    unsigned int csr;
+    __asm__ volatile("stmxcsr %0" : "=m"(csr));
+    return ((csr >> 15) & 1) | (((csr >> 6) & 1) << 1);
+#elif defined(__aarch64__) && defined(__GNUC__)
+    unsigned long fpcr;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
+    return ((fpcr >> 24) & 1) ? 3 : 0;
+#else
+    return 0;
+#endif
+}
+
 /* Run build `level` of the kernel. */
 static void attend_level(int level, const mpitree_attn_args *a, const float *q, const float *k,
                          const float *v, float *out, float *scratch, int in_order)

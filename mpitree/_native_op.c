@@ -16,11 +16,63 @@
  * A record with m == NaN (a NaN score) is poisoned: every field of the result is
  * NaN. The merge is commutative: combine(a, b) == combine(b, a), bit for bit
  * wherever no NaN is involved.
+ *
+ * The exponential is mpitree's own (merge_exp below), not the C library's: libm's
+ * exp and expf differ between C libraries, and glibc picks its variant by whether
+ * the CPU has FMA, so ranks on different machines could round a merge apart. Plain
+ * IEEE double arithmetic (the build passes -ffp-contract=off) gives the same bits
+ * on every compiler, C library and CPU.
  */
 #include <math.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <string.h>
 
 #include "_native.h"
+
+/* 2**k as a double, for -1022 <= k <= 1023 (a normal number: exact). */
+static double pow2(int k)
+{
+    const uint64_t bits = (uint64_t)(k + 1023) << 52;
+    double x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* exp(x) in double within about 1 ulp; exp(0) = 1, exp(-inf) = 0, NaN stays NaN.
+ * x = k ln2 + r with |r| <= ln2 / 2 (Cody and Waite: k * LN2_HI is exact), exp(r)
+ * by its Taylor series to r**13 / 13! (truncation below 4e-18), then times 2**k in
+ * one rounding (a subnormal result rounds once, from a normal product). */
+static double merge_exp(double x)
+{
+    static const double LN2_HI = 6.93147180369123816490e-01; /* 0x3fe62e42fee00000 */
+    static const double LN2_LO = 1.90821492927058770002e-10; /* 0x3dea39ef35793c76 */
+    static const double INV_LN2 = 1.44269504088896338700e+00;
+    if (x != x)
+        return x + x; /* NaN */
+    if (x > 709.782712893384)
+        return INFINITY;
+    if (x < -745.2)
+        return 0.0; /* -inf included */
+    const double t = x * INV_LN2;
+    const int k = (int)(t < 0 ? t - 0.5 : t + 0.5);
+    const double r = (x - k * LN2_HI) - k * LN2_LO;
+    double p = 1.0 / 6227020800.0; /* 1 / 13! */
+    static const double INV_FACT[13] = {
+        1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0,
+        1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0,
+        1.0 / 2.0, 1.0, 1.0}; /* 1/12! .. 1/0! */
+    for (int i = 0; i < 13; ++i)
+        p = p * r + INV_FACT[i];
+    if (k > 1023)
+        return p * pow2(1023) * 2.0;
+    if (k < -1022)
+        return p * pow2(k + 600) * pow2(-600);
+    return p * pow2(k);
+}
+
+/* expf(x): merge_exp in double, rounded once to float. */
+static float merge_expf(float x) { return (float)merge_exp((double)x); }
 
 #define MPITREE_NSLOTS 64
 
@@ -46,8 +98,8 @@ static int slot_dim_f64[MPITREE_NSLOTS];
         }                                                                        \
     }
 
-DEFINE_COMBINE(float, f32, expf)
-DEFINE_COMBINE(double, f64, exp)
+DEFINE_COMBINE(float, f32, merge_expf)
+DEFINE_COMBINE(double, f64, merge_exp)
 
 #define SLOT(SUF, T, B, I)                                                       \
     static void op_##SUF##_##B##_##I(void *in, void *io, int *len, void *dt)    \
@@ -95,6 +147,17 @@ void *mpitree_bind_slot(int bits, int slot, int dim)
         return (void *)table_f64[slot];
     }
     return NULL;
+}
+
+/* y[i] = the merge's exp(x[i]) for i < n, float32 (bits 32) or float64 (bits 64). */
+void mpitree_merge_exp(int bits, const void *x, void *y, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i) {
+        if (bits == 32)
+            ((float *)y)[i] = merge_expf(((const float *)x)[i]);
+        else
+            ((double *)y)[i] = merge_exp(((const double *)x)[i]);
+    }
 }
 
 /* Merge `count` records of `in` into `io` (the same code MPI runs). */

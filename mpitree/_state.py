@@ -58,8 +58,9 @@ def combine_records(a, b, exp=None):
         ``(..., D + 2)`` records, numpy, CuPy or torch (any device), broadcast-compatible.
     exp : callable, optional
         The exponential of step 3 (default: the arrays' framework's own). The only
-        step whose bits depend on the library: numpy, torch and the C library's
-        ``exp``/``expf`` differ in the last place; given the same exp, every copy
+        step whose bits depend on the library: numpy's, torch's and the compiled
+        op's own exponential (the same bits on every compiler, C library and CPU)
+        differ in the last place; given the same exp, every copy
         of the merge gives the same bits.
 
     Returns

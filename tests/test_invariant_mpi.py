@@ -16,6 +16,7 @@ from numpy.testing import assert_allclose
 
 import mpitree
 from mpitree._invariant import _joiner, canonical_root, local_pieces
+from mpitree._library import native_lib
 from mpitree._state import combine_records
 from mpitree._traffic import traffic
 
@@ -262,6 +263,26 @@ def test_unaligned_boundary_raises_on_every_rank():
             plan.decode(q, kv, kv, kv_start=start)
         out = plan.decode(q, kv, kv, kv_start=8 * comm.rank)  # the plan stays usable
         assert_allclose(out, np.ones((1, 2, 1, 4)), rtol=1e-6)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_a_rank_that_flushes_subnormals_raises_on_every_rank():
+    """Flush-to-zero changes the bits: a rank that set it (torch, a -ffast-math library)
+    makes the call raise on every rank instead of rounding apart; unset, it passes."""
+    comm = world()
+    q, kv = np.ones((1, 2, 1, 4), np.float32), np.ones((1, 1, 8, 4), np.float32)
+    kw = dict(deterministic="invariant", block_size=8, kv_start=8 * comm.rank)
+    flushing = comm.rank == comm.size - 1
+    if native_lib() is None or not comm.allreduce(torch.set_flush_denormal(flushing), MPI.LAND):
+        torch.set_flush_denormal(False)  # no compiled library to read it, or no FTZ here
+        return
+    try:
+        with pytest.raises(ValueError, match="ranks disagree on kernel") as info:
+            mpitree.tree_decode(q, kv, kv, **kw)
+        assert "subnormals flushed to zero" in str(info.value)
+    finally:
+        torch.set_flush_denormal(False)
+    assert_allclose(mpitree.tree_decode(q, kv, kv, **kw), np.ones((1, 2, 1, 4)), rtol=1e-6)
 
 
 @pytest.mark.parallel(nprocs=[2, 3])

@@ -12,12 +12,14 @@ from mpitree import reference_attention
 from mpitree._invariant_step import invariant_signature
 from mpitree._kernel import (
     attend_native,
+    kernel_arithmetic,
     kernel_isa,
     kernel_levels,
     kernel_read_order,
     native_kernel_available,
     select_kernel,
 )
+from mpitree._library import native_lib
 from mpitree._local import state_records
 from mpitree._namespace import namespace
 
@@ -254,6 +256,22 @@ def test_invariant_mode_agrees_on_the_arithmetic_not_the_build():
     fused = {seen[level] for level in seen if level >= 3}
     assert fused <= {"C kernel, fused multiply-adds"}
     assert seen.get(1, "C kernel, unfused") == "C kernel, unfused"
+
+
+def test_flushing_subnormals_joins_the_arithmetic():
+    """Flush-to-zero (what ``torch.set_flush_denormal(True)`` sets) is read on each call."""
+    import torch
+
+    before = kernel_arithmetic()
+    assert "subnormal" not in before
+    if native_lib() is None or not torch.set_flush_denormal(True):
+        return  # no compiled library to read it, or a CPU without flush-to-zero
+    try:
+        flushed = kernel_arithmetic()
+    finally:
+        torch.set_flush_denormal(False)
+    assert flushed == before + ", subnormals flushed to zero"
+    assert kernel_arithmetic() == before
 
 
 @pytest.mark.parametrize("g,sq", [(1, 1), (2, 1), (4, 1), (3, 1), (8, 1), (4, 3), (1, 7)])

@@ -5,9 +5,10 @@ the MPI op ``record_op`` registers), the numpy fallback op (``_op.python_op``),
 ``allreduce3``'s three reductions, ``merge_records`` (allgather, ring) and the torch
 merge of sharded prefill's staircase. All follow the definition's order of
 operations. The one library-dependent step is the exponential: numpy's, torch's
-and the C library's ``exp``/``expf`` differ in the last place on many inputs, so
-each copy is compared with ``combine_records`` evaluated with that copy's own
-exponential (``exp=``), and then every bit must agree. NaN payloads are not
+and the compiled op's own (``mpitree_merge_exp``, the same bits on every compiler,
+C library and CPU) differ in the last place on many inputs, so each copy is
+compared with ``combine_records`` evaluated with that copy's own exponential
+(``exp=``), and then every bit must agree. NaN payloads are not
 compared (the C op writes a fresh NaN where numpy keeps an operand's), NaN
 positions are.
 
@@ -18,9 +19,7 @@ of +/-1e30 (float32) or +/-1e300 (float64), values near the dtype's largest
 (overflow to inf) and subnormal values.
 """
 
-import ctypes
-import ctypes.util
-import math
+import hashlib
 import threading
 import types
 
@@ -40,14 +39,15 @@ SEEDS = range(8)
 ROWS = 100  # every pair of kinds once
 KINDS = 10
 
-_libm = ctypes.CDLL(ctypes.util.find_library("m"))
-_libm.expf.restype, _libm.expf.argtypes = ctypes.c_float, [ctypes.c_float]
+needs_native = pytest.mark.skipif(native_lib() is None, reason="native op not built")
 
 
-def libm_exp(x):
-    """The C library's exp (float64) or expf (float32), elementwise: what the C op calls."""
-    fn = _libm.expf if x.dtype == np.float32 else math.exp
-    return np.array([fn(float(v)) for v in x.reshape(-1)], x.dtype).reshape(x.shape)
+def merge_exp(x):
+    """The compiled op's own exp (float64) or expf (float32), elementwise: what it calls."""
+    x = np.ascontiguousarray(x)
+    y = np.empty_like(x)
+    native_lib().mpitree_merge_exp(8 * x.itemsize, x.ctypes.data, y.ctypes.data, x.size)
+    return y
 
 
 def torch_exp(x):
@@ -123,7 +123,7 @@ def test_records_cover_every_kind():
     assert both_empty.any() and (out[both_empty, 1:] == 0).all()
 
 
-@pytest.mark.skipif(native_lib() is None, reason="native op not built")
+@needs_native
 @cases
 def test_c_op_is_the_definition(seed, dim, dtype):
     """``mpitree_combine`` and the registered MPI op (the code MPI runs) give the definition's bits.
@@ -136,7 +136,7 @@ def test_c_op_is_the_definition(seed, dim, dtype):
     a, b = records(seed, dim, dtype, 0), records(seed, dim, dtype, 1)
     lib = native_lib()
     for x, y in ((a, b), (b, a)):
-        want = combine_records(x, y, exp=libm_exp)
+        want = combine_records(x, y, exp=merge_exp)
         io = y.copy()
         lib.mpitree_combine(8 * x.itemsize, x.ctypes.data, io.ctypes.data, ROWS, dim)
         assert_same_bits(io, want)
@@ -144,6 +144,62 @@ def test_c_op_is_the_definition(seed, dim, dtype):
         io = y.copy()
         op.Reduce_local([x, ROWS, rec], [io, ROWS, rec])
         assert_same_bits(io, want)
+
+
+def exp_inputs(dtype):
+    """Arguments of the merge's exp: a grid over where it is finite and nonzero, small
+    magnitudes, the points around its cut-offs and the special values. Only exactly
+    rounded operations make them (no random stream, no libm), so every machine has
+    the same inputs."""
+    lo, hi = (-104.0, 89.0) if dtype == np.float32 else (-746.0, 710.0)
+    i = np.arange(20001)
+    grid = lo + (hi - lo) * i / 20000
+    i = np.arange(1600)
+    small = -np.ldexp(1 + (i % 16) / 16, -(i // 16))  # 2**-99 .. 2**0, 16 mantissas each
+    edges = [709.782712893384, 709.79, -745.1, -745.13, -745.2, -708.4, -103.9, 88.72, 88.73]
+    special = [0.0, -0.0, -np.inf, np.inf, np.nan, 1e-300, -1e-300]
+    return np.concatenate([grid, small, -small, edges, special]).astype(dtype)
+
+
+# sha256 of merge_exp(exp_inputs(dtype)): plain IEEE arithmetic with no contraction, so
+# every compiler, C library and CPU gives these bits
+MERGE_EXP_GOLDEN = {
+    np.float32: "375725d6525d6db31c9c5a08f07816e21d265f200bd1f4fa8285b877ccb7615f",
+    np.float64: "ade13e3623477a49dfaf995002ca0d0e86ec1ad4aa450092d5448fa2999c800b",
+}
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_exp_gives_the_same_bits_everywhere(dtype):
+    """The compiled op's exp is mpitree's own: libm's differs between C libraries and, in
+    glibc, between CPUs with and without FMA, which let ranks round a merge apart."""
+    digest = hashlib.sha256(merge_exp(exp_inputs(dtype)).tobytes()).hexdigest()
+    assert digest == MERGE_EXP_GOLDEN[dtype], f"new bits: {digest}"
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_exp_is_accurate(dtype):
+    """Within 1.1 ulp of exp (float64, against long double's; float32 within 0.501 ulp
+    of float64's: rounded once), exactly 1 at 0, 0 at -inf and below the subnormals,
+    inf past the largest double, NaN kept."""
+    x = exp_inputs(dtype)
+    got = merge_exp(x)
+    if dtype == np.float32:
+        want = np.exp(x.astype(np.float64))
+        ulp = np.spacing(want.astype(np.float32)).astype(np.float64)
+        tol = 0.501  # rounded once from a double within about 1 double ulp
+    else:
+        want = np.exp(x.astype(np.longdouble))  # x86: 11 more bits; aarch64: quad
+        ulp = np.spacing(want.astype(np.float64)).astype(np.longdouble)
+        tol = 1.1
+    finite = (want > 0) & (want <= np.finfo(dtype).max)
+    err = np.abs(got[finite].astype(want.dtype) - want[finite]) / ulp[finite]
+    assert err.max() <= tol, f"{err.max():.3f} ulp at x = {x[finite][err.argmax()]!r}"
+    special = merge_exp(np.array([0.0, -0.0, -np.inf, np.inf, np.nan, -1000.0, 1000.0], dtype))
+    assert special[:2].tolist() == [1.0, 1.0] and special[2] == 0 and special[5] == 0
+    assert np.isposinf(special[3]) and np.isposinf(special[6]) and np.isnan(special[4])
 
 
 @cases
