@@ -12,7 +12,12 @@ from mpi4py import MPI
 from ._agreed import agree_merger
 from ._checks import Problem
 from ._guard import Call, agree, check_comm, entry_point
-from ._invariant_step import _placement_unused, invariant_pieces, invariant_signature
+from ._invariant_step import (
+    _placement_unused,
+    check_arithmetic,
+    invariant_pieces,
+    invariant_signature,
+)
 from ._namespace import Array
 from ._options import INVARIANT, Options
 from ._runtime import limit_blas_threads
@@ -115,6 +120,7 @@ class DecodePlan:
 
         call, self._merger = agree_merger(comm, prepare, owned=True)
         self.problem, self.options = call.payload
+        self._arithmetic = call.signature.get("kernel")  # invariant mode: what ranks agreed
         self.strategy = self._merger.strategy
         self.comm = comm
         self._ranks = comm.Get_size()  # for repr, which may run after MPI.Finalize()
@@ -199,6 +205,7 @@ class DecodePlan:
             checked = agree(self.comm, lambda: self._validated(args)).payload
 
         def local():
+            check_arithmetic(self._arithmetic)
             step = checked if checked is not None else self._step(args)
             return invariant_pieces(step, opts.block_size, kv_start, kv_blocks, problem.acc)
 

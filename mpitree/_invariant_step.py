@@ -12,6 +12,21 @@ def invariant_signature(signature):
     return signature
 
 
+def check_arithmetic(agreed):
+    """Raise unless this thread's arithmetic is still ``agreed`` (a plan's, at its agreement).
+
+    A plan agrees once: a rank whose floating-point mode changed since (flush-to-zero
+    set) would round apart. Called inside the step's guard, so every rank raises.
+    """
+    now = kernel_arithmetic()
+    if now != agreed:
+        raise ValueError(
+            f"mpitree: this rank's arithmetic is now {now!r}, not the {agreed!r} the plan "
+            "agreed on (was the floating-point mode changed, e.g. flush-to-zero?); restore "
+            "it or make a new plan"
+        )
+
+
 def invariant_pieces(step, block_size, kv_start, kv_blocks, acc):
     """Invariant mode: this shard's leaf states reduced to its canonical-tree pieces."""
     blocks = check_placement(int(step.k.shape[2]), block_size, kv_start, kv_blocks)

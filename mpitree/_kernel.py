@@ -51,11 +51,9 @@ def kernel_isa():
     return "numpy (no compiled kernel)" if lib is None else lib.mpitree_kernel_isa().decode()
 
 
-_FLUSH = {
-    1: ", subnormal results flushed to zero",
-    2: ", subnormal inputs read as zero",
-    3: ", subnormals flushed to zero",
-}
+_SUBNORMALS = ("", ", subnormal results flushed to zero", ", subnormal inputs read as zero")
+_SUBNORMALS += (", subnormals flushed to zero",)
+_ROUNDING = ("", ", rounding down", ", rounding up", ", rounding toward zero")
 
 
 def kernel_arithmetic():
@@ -64,25 +62,29 @@ def kernel_arithmetic():
     Invariant mode's results depend on it, so ranks agree on it: the x86-64-v3 and v4
     builds fuse every product into its sum and give the same bits, the baseline and
     portable builds fuse none, on every compiler (``tests/test_kernel.py`` holds both
-    with golden hashes). The calling thread's subnormal handling joins it: flush-to-zero
-    (``torch.set_flush_denormal(True)``, or a library built with ``-ffast-math``) changes
-    the bits of the kernel, the merge and numpy alike. It is read on each call (it can
-    change at any time), where the compiled library is loaded.
+    with golden hashes). The calling thread's floating-point mode joins it where the
+    compiled library is loaded: flushing subnormals to zero (what
+    ``torch.set_flush_denormal(True)`` or a library built with ``-ffast-math`` sets) or
+    another rounding direction changes the bits of the kernel, the merge and numpy
+    alike. It is read on each call.
 
     Returns
     -------
     str
         ``"C kernel, fused multiply-adds"``, ``"C kernel, unfused"``, or
         ``"numpy (no compiled kernel)"`` (the kernel forced to numpy, or no compiled
-        library), followed by e.g. ``", subnormals flushed to zero"`` when the thread
-        flushes them.
+        library), followed by e.g. ``", subnormals flushed to zero"`` or
+        ``", rounding up"`` when the thread's mode is not IEEE's default.
     """
     isa = kernel_isa()
     if native_kernel_available():
         fused = isa.startswith(("x86-64-v4", "x86-64-v3"))
         isa = "C kernel, fused multiply-adds" if fused else "C kernel, unfused"
     lib = native_lib()
-    return isa if lib is None else isa + _FLUSH.get(lib.mpitree_flush_mode(), "")
+    if lib is None:
+        return isa
+    mode = lib.mpitree_fp_mode()
+    return isa + _SUBNORMALS[mode & 3] + _ROUNDING[(mode >> 2) & 3]
 
 
 # Builds of the compiled kernel, best first: x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA),

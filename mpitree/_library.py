@@ -97,8 +97,8 @@ def _load():
         lib.mpitree_read_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         lib.mpitree_kernel_isa.restype = ctypes.c_char_p
         lib.mpitree_kernel_isa.argtypes = []
-        lib.mpitree_flush_mode.restype = ctypes.c_int
-        lib.mpitree_flush_mode.argtypes = []
+        lib.mpitree_fp_mode.restype = ctypes.c_int
+        lib.mpitree_fp_mode.argtypes = []
         lib.mpitree_kernel_select.restype = ctypes.c_int
         lib.mpitree_kernel_select.argtypes = [ctypes.c_int]
         lib.mpitree_kernel_best.restype = ctypes.c_int

@@ -13,7 +13,13 @@
 #ifndef MPITREE_NATIVE_H
 #define MPITREE_NATIVE_H
 
+#include <float.h>
 #include <stdint.h>
+
+/* Every source's bits assume IEEE arithmetic in each type's own precision. */
+#if defined(__FAST_MATH__) || FLT_EVAL_METHOD != 0
+#error "mpitree's library needs IEEE arithmetic in each type's precision (no -ffast-math, no x87)"
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #define MPITREE_X86_CLONES 1
@@ -61,7 +67,7 @@ int64_t mpitree_attend_scratch(int64_t rows, int64_t dim);
 int mpitree_kernel_best(void);
 int mpitree_kernel_select(int level);
 const char *mpitree_kernel_isa(void);
-int mpitree_flush_mode(void);
+int mpitree_fp_mode(void);
 int mpitree_kernel_read_order(int force, int level);
 void mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float *k,
                         const float *v, float *out, float *scratch);

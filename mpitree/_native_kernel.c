@@ -698,19 +698,22 @@ const char *mpitree_kernel_isa(void)
 #endif
 }
 
-/* The calling thread's subnormal handling, which changes the bits of the kernel and the
- * merge: 1 = results flushed to zero (x86 MXCSR.FTZ), 2 = inputs read as zero
- * (MXCSR.DAZ), 3 = both (also aarch64's FPCR.FZ); 0 = IEEE (or not known here). */
-int mpitree_flush_mode(void)
+/* The calling thread's floating-point mode, which changes the bits of the kernel and
+ * the merge: bit 0 = subnormal results flushed to zero (x86 MXCSR.FTZ), bit 1 =
+ * subnormal inputs read as zero (MXCSR.DAZ; aarch64's FPCR.FZ sets both), bits 2-3 = the
+ * rounding direction (0 nearest, 1 down, 2 up, 3 toward zero). 0 = IEEE's default, or
+ * not known on this platform (nor are aarch64's FEAT_AFP bits FPCR.FIZ and AH read). */
+int mpitree_fp_mode(void)
 {
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
     unsigned int csr;
     __asm__ volatile("stmxcsr %0" : "=m"(csr));
-    return ((csr >> 15) & 1) | (((csr >> 6) & 1) << 1);
+    return (int)(((csr >> 15) & 1) | (((csr >> 6) & 1) << 1) | (((csr >> 13) & 3) << 2));
 #elif defined(__aarch64__) && defined(__GNUC__)
+    static const int rounding[4] = {0, 2, 1, 3}; /* FPCR.RMode: RN, RP, RM, RZ */
     unsigned long fpcr;
     __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
-    return ((fpcr >> 24) & 1) ? 3 : 0;
+    return (((fpcr >> 24) & 1) ? 3 : 0) | (rounding[(fpcr >> 22) & 3] << 2);
 #else
     return 0;
 #endif

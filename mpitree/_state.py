@@ -50,7 +50,9 @@ def combine_records(a, b, exp=None):
     skipped, so a NaN anywhere in a record survives the merge (``0 * NaN = NaN``);
     a NaN ``m`` (a NaN score) makes every field NaN, and so does an ``m`` of +inf
     (an overflowing score: ``exp(inf - inf)`` is NaN). Commutative bit for bit
-    (wherever no NaN payload is involved), associative up to rounding.
+    (wherever no NaN payload is involved, and but for the sign of an ``m`` of 0
+    against -0, which follows the order: the weights, ``n`` and ``d`` do not),
+    associative up to rounding.
 
     Parameters
     ----------

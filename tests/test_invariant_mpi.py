@@ -273,8 +273,9 @@ def test_a_rank_that_flushes_subnormals_raises_on_every_rank():
     q, kv = np.ones((1, 2, 1, 4), np.float32), np.ones((1, 1, 8, 4), np.float32)
     kw = dict(deterministic="invariant", block_size=8, kv_start=8 * comm.rank)
     flushing = comm.rank == comm.size - 1
-    if native_lib() is None or not comm.allreduce(torch.set_flush_denormal(flushing), MPI.LAND):
-        torch.set_flush_denormal(False)  # no compiled library to read it, or no FTZ here
+    can = native_lib() is not None and torch.set_flush_denormal(flushing)
+    if not comm.allreduce(can, MPI.LAND):  # no compiled library to read it, or no FTZ here
+        torch.set_flush_denormal(False)
         return
     try:
         with pytest.raises(ValueError, match="ranks disagree on kernel") as info:
@@ -283,6 +284,32 @@ def test_a_rank_that_flushes_subnormals_raises_on_every_rank():
     finally:
         torch.set_flush_denormal(False)
     assert_allclose(mpitree.tree_decode(q, kv, kv, **kw), np.ones((1, 2, 1, 4)), rtol=1e-6)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_a_plan_raises_when_a_rank_starts_flushing_subnormals():
+    """A plan agrees once: a rank that sets flush-to-zero later raises in the step, on every
+    rank, and the plan works again once it is unset."""
+    comm = world()
+    q, kv = np.ones((1, 2, 1, 4), np.float32), np.ones((1, 1, 8, 4), np.float32)
+    flushing = comm.rank == comm.size - 1
+    with mpitree.DecodePlan(1, 2, 1, 4, deterministic="invariant", block_size=8) as plan:
+        can = native_lib() is not None and torch.set_flush_denormal(flushing)
+        if not comm.allreduce(can, MPI.LAND):  # no compiled library to read it, or no FTZ
+            torch.set_flush_denormal(False)
+            return
+        try:
+            with pytest.raises(ValueError) as info:
+                plan.decode(q, kv, kv, kv_start=8 * comm.rank)
+        finally:
+            torch.set_flush_denormal(False)
+        if flushing:
+            assert "subnormals flushed to zero', not the" in str(info.value)
+        else:
+            assert isinstance(info.value, mpitree.RankError)
+            assert info.value.rank == comm.size - 1
+        out = plan.decode(q, kv, kv, kv_start=8 * comm.rank)
+    assert_allclose(out, np.ones((1, 2, 1, 4)), rtol=1e-6)
 
 
 @pytest.mark.parallel(nprocs=[2, 3])

@@ -274,6 +274,27 @@ def test_flushing_subnormals_joins_the_arithmetic():
     assert kernel_arithmetic() == before
 
 
+def test_the_rounding_direction_joins_the_arithmetic():
+    """Another rounding direction (``fesetround``) changes the bits too: it is read as well."""
+    import ctypes
+    import ctypes.util
+    import platform
+
+    if native_lib() is None or platform.machine() != "x86_64":
+        return  # glibc's x86-64 constants below
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    before = kernel_arithmetic()
+    seen = {}
+    try:
+        for name, mode in (("down", 0x400), ("up", 0x800), ("toward zero", 0xC00)):
+            assert libm.fesetround(mode) == 0
+            seen[name] = kernel_arithmetic()
+    finally:
+        libm.fesetround(0)
+    assert seen == {name: f"{before}, rounding {name}" for name in seen}
+    assert kernel_arithmetic() == before
+
+
 @pytest.mark.parametrize("g,sq", [(1, 1), (2, 1), (4, 1), (3, 1), (8, 1), (4, 3), (1, 7)])
 @pytest.mark.parametrize("dim", [128, 72, 19])
 def test_long_shards_cross_chunks(level, g, sq, dim):
