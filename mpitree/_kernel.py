@@ -64,9 +64,9 @@ def kernel_arithmetic():
     portable builds fuse none, on every compiler (``tests/test_kernel.py`` holds both
     with golden hashes). The calling thread's floating-point mode joins it where the
     compiled library is loaded: flushing subnormals to zero (what
-    ``torch.set_flush_denormal(True)`` or a library built with ``-ffast-math`` sets) or
-    another rounding direction changes the bits of the kernel, the merge and numpy
-    alike. It is read on each call.
+    ``torch.set_flush_denormal(True)`` sets, or loading another library linked with
+    ``-ffast-math``) or another rounding direction changes the bits of the kernel, the
+    merge and numpy alike. It is read on each call.
 
     Returns
     -------

@@ -1,5 +1,6 @@
 """The compiled float32 local kernel against the numpy reference kernel."""
 
+import ctypes
 import hashlib
 
 import numpy as np
@@ -258,31 +259,48 @@ def test_invariant_mode_agrees_on_the_arithmetic_not_the_build():
     assert seen.get(1, "C kernel, unfused") == "C kernel, unfused"
 
 
-def test_flushing_subnormals_joins_the_arithmetic():
-    """Flush-to-zero (what ``torch.set_flush_denormal(True)`` sets) is read on each call."""
-    import torch
+def _libm():
+    """The C library's math part (its fenv functions), on x86-64 Linux; else None."""
+    import ctypes.util
+    import platform
 
+    if platform.machine() != "x86_64" or platform.system() != "Linux":
+        return None  # the constants and fenv_t layout below are x86-64 glibc's (and musl's)
+    return ctypes.CDLL(ctypes.util.find_library("m"))
+
+
+def test_flushing_subnormals_joins_the_arithmetic():
+    """Flush-to-zero and denormals-are-zero (MXCSR bits 15 and 6, what
+    ``torch.set_flush_denormal(True)`` sets) are read on each call."""
+    libm = _libm()
     before = kernel_arithmetic()
     assert "subnormal" not in before
-    if native_lib() is None or not torch.set_flush_denormal(True):
-        return  # no compiled library to read it, or a CPU without flush-to-zero
+    if native_lib() is None or libm is None:
+        return
+    env, seen = (ctypes.c_uint8 * 32)(), {}  # fenv_t: 32 bytes, MXCSR at byte 28
+    assert libm.fegetenv(env) == 0
+    default = int.from_bytes(bytes(env[28:32]), "little")
     try:
-        flushed = kernel_arithmetic()
+        for name, bits in (("results", 0x8000), ("inputs", 0x40), ("both", 0x8040)):
+            env[28:32] = (default | bits).to_bytes(4, "little")
+            assert libm.fesetenv(env) == 0
+            seen[name] = kernel_arithmetic()[len(before) :]
     finally:
-        torch.set_flush_denormal(False)
-    assert flushed == before + ", subnormals flushed to zero"
+        env[28:32] = default.to_bytes(4, "little")
+        libm.fesetenv(env)
+    assert seen == {
+        "results": ", subnormal results flushed to zero",
+        "inputs": ", subnormal inputs read as zero",
+        "both": ", subnormals flushed to zero",
+    }
     assert kernel_arithmetic() == before
 
 
 def test_the_rounding_direction_joins_the_arithmetic():
     """Another rounding direction (``fesetround``) changes the bits too: it is read as well."""
-    import ctypes
-    import ctypes.util
-    import platform
-
-    if native_lib() is None or platform.machine() != "x86_64":
-        return  # glibc's x86-64 constants below
-    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm = _libm()
+    if native_lib() is None or libm is None:
+        return
     before = kernel_arithmetic()
     seen = {}
     try:
