@@ -51,8 +51,12 @@ def kernel_isa():
     return "numpy (no compiled kernel)" if lib is None else lib.mpitree_kernel_isa().decode()
 
 
-_SUBNORMALS = ("", ", subnormal results flushed to zero", ", subnormal inputs read as zero")
-_SUBNORMALS += (", subnormals flushed to zero",)
+_SUBNORMALS = (
+    "",
+    ", subnormal results flushed to zero",
+    ", subnormal inputs read as zero",
+    ", subnormals flushed to zero",
+)
 _ROUNDING = ("", ", rounding down", ", rounding up", ", rounding toward zero")
 
 

@@ -265,6 +265,17 @@ def test_unaligned_boundary_raises_on_every_rank():
         assert_allclose(out, np.ones((1, 2, 1, 4)), rtol=1e-6)
 
 
+def last_rank_flushes(comm):
+    """Turn on flush-to-zero on the last rank only; False (and nothing on) on every rank
+    where some rank has no compiled library to read it, or no flush-to-zero."""
+    flushing = comm.rank == comm.size - 1
+    can = native_lib() is not None and torch.set_flush_denormal(flushing)
+    if comm.allreduce(can, MPI.LAND):
+        return True
+    torch.set_flush_denormal(False)
+    return False
+
+
 @pytest.mark.parallel(nprocs=[2, 3])
 def test_a_rank_that_flushes_subnormals_raises_on_every_rank():
     """Flush-to-zero changes the bits: a rank that set it (torch, a -ffast-math library)
@@ -272,10 +283,7 @@ def test_a_rank_that_flushes_subnormals_raises_on_every_rank():
     comm = world()
     q, kv = np.ones((1, 2, 1, 4), np.float32), np.ones((1, 1, 8, 4), np.float32)
     kw = dict(deterministic="invariant", block_size=8, kv_start=8 * comm.rank)
-    flushing = comm.rank == comm.size - 1
-    can = native_lib() is not None and torch.set_flush_denormal(flushing)
-    if not comm.allreduce(can, MPI.LAND):  # no compiled library to read it, or no FTZ here
-        torch.set_flush_denormal(False)
+    if not last_rank_flushes(comm):
         return
     try:
         with pytest.raises(ValueError, match="ranks disagree on kernel") as info:
@@ -294,9 +302,7 @@ def test_a_plan_raises_when_a_rank_starts_flushing_subnormals():
     q, kv = np.ones((1, 2, 1, 4), np.float32), np.ones((1, 1, 8, 4), np.float32)
     flushing = comm.rank == comm.size - 1
     with mpitree.DecodePlan(1, 2, 1, 4, deterministic="invariant", block_size=8) as plan:
-        can = native_lib() is not None and torch.set_flush_denormal(flushing)
-        if not comm.allreduce(can, MPI.LAND):  # no compiled library to read it, or no FTZ
-            torch.set_flush_denormal(False)
+        if not last_rank_flushes(comm):
             return
         try:
             with pytest.raises(ValueError) as info:
