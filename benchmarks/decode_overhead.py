@@ -14,6 +14,11 @@ rank the same steps also run with ``sdpa`` over a ``DynamicCache``, interleaved,
 and the table adds sdpa's attention call and whole-step times. Each timer adds
 about a microsecond to the calls around it.
 
+With ``--unfused``, every step also runs a second time with the layers' one
+compiled call off (the kernel inside the merge, then finishing: two C calls and
+the merge's Python around its collective), interleaved, and a second table
+gives that path's breakdown.
+
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/decode_overhead.py --context 2048
 """
 
@@ -32,19 +37,21 @@ from mpi4py import MPI
 
 from mpitree.extend import phase_times
 
-TIMES = defaultdict(list)
+TIMES = {"one call": defaultdict(list), "unfused": defaultdict(list)}
+NOW = ["one call"]  # the variant being timed
 
 
 def timed(name, fn):
-    """Wrap ``fn`` so each call's duration is appended to ``TIMES[name]``."""
+    """Wrap ``fn`` so each call's duration is appended to ``TIMES[NOW[0]][name]``."""
 
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            TIMES[name].append(time.perf_counter() - start)
+            TIMES[NOW[0]][name].append(time.perf_counter() - start)
 
+    wrapper.__wrapped__ = fn
     return wrapper
 
 
@@ -82,6 +89,15 @@ def main():
     parser.add_argument(
         "--layers", type=int, default=4, help="decoder layers (Llama-3.1-8B has 32)"
     )
+    parser.add_argument(
+        "--unfused", action="store_true", help="also time each step with the one call off"
+    )
+    parser.add_argument(
+        "--c-timers",
+        action="store_true",
+        help="also time each step with no Python timer inside the call: the one compiled "
+        "call's own clock splits it (kernel, collective)",
+    )
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
@@ -107,7 +123,7 @@ def main():
         with torch.no_grad():
             dynamic = model(ids, use_cache=True).cache
     funcs = transformers.AttentionInterface._global_mapping
-    funcs["mpitree"] = timed("mpitree call", funcs["mpitree"])
+    timed_call = funcs["mpitree"] = timed("mpitree call", funcs["mpitree"])
     funcs["sdpa"] = timed("sdpa call", funcs["sdpa"])
     tok = ids[:, -1:]
 
@@ -116,7 +132,7 @@ def main():
         start = time.perf_counter()
         with torch.no_grad():
             model(input_ids=tok, cache=c, use_cache=True)
-        TIMES[f"{impl} step"].append(time.perf_counter() - start)
+        TIMES[NOW[0]][f"{impl} step"].append(time.perf_counter() - start)
 
     def bare_agreement():
         if comm.size == 1:  # one rank agrees with no collective
@@ -124,22 +140,84 @@ def main():
         buf = np.zeros(4, np.int64)
         start = time.perf_counter()
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MIN)
-        TIMES["bare collective"].append(time.perf_counter() - start)
+        TIMES[NOW[0]]["bare collective"].append(time.perf_counter() - start)
+
+    def c_timed_step(keep):
+        """One step with only the outer timer; later layers read the one call's own clock."""
+        calls = []
+        attention = funcs["mpitree"].__wrapped__
+
+        def outer(module, *a, **k):
+            start = time.perf_counter()
+            try:
+                return attention(module, *a, **k)
+            finally:
+                calls.append((module.layer_idx, time.perf_counter() - start))
+
+        funcs["mpitree"] = outer
+        for layer in cache.layers:
+            layer.fast.bound.call.timed = 1
+        comm.Barrier()
+        with torch.no_grad():
+            model.set_attn_implementation("mpitree")
+            model(input_ids=tok, cache=cache, use_cache=True)
+        for layer in cache.layers:
+            layer.fast.bound.call.timed = 0
+        funcs["mpitree"] = timed_call
+        for idx, took in calls[1:] if keep else ():
+            call = cache.layers[idx].fast.bound.call
+            clocks.append((took, call.kernel_ns * 1e-9, call.collective_ns * 1e-9))
+
+    def one_call(on):
+        for layer in cache.layers:
+            if layer.fast is not None:
+                layer.fast.fused = on and layer.fast.bound.call.flag is not None
 
     runs = [("mpitree", cache)] + ([("sdpa", dynamic)] if dynamic is not None else [])
+    variants = ["one call"] + (["unfused"] if args.unfused else [])
+    variants += ["C timers"] if args.c_timers else []
+    clocks = []  # C timers: (call, kernel, collective) seconds of each later layer
     # mpitree's own timers: the merge, a step's one agreement (checks included), the
     # collective and its failure flag, the C kernel, a layer's checked step ("local")
-    with phase_times(TIMES):
-        for i in range(args.warmup + args.steps):
-            if i == args.warmup:
-                TIMES.clear()
-            comm.Barrier()
-            bare_agreement()
-            for impl, c in runs:
-                step(impl, c)
-    med = {k: statistics.median(v) * 1e6 for k, v in TIMES.items()}
-    med["per step"] = statistics.median(per_step(TIMES, args.steps)) * 1e6
-    first, later = by_layer(TIMES, args.steps)
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            for times in TIMES.values():
+                times.clear()
+        for variant in variants:
+            NOW[0] = variant
+            one_call(variant != "unfused")
+            if variant == "C timers":
+                c_timed_step(i >= args.warmup)
+                continue
+            with phase_times(TIMES[variant]):
+                comm.Barrier()
+                bare_agreement()
+                for impl, c in runs:
+                    step(impl, c)
+    for variant in variants[:2] if args.unfused else variants[:1]:
+        report(comm, args, variant, TIMES[variant])
+    if args.c_timers:
+        report_clocks(comm, clocks)
+
+
+def report_clocks(comm, clocks):
+    """Print the C-timed step's later layers: call, kernel, collective, the rest (rank 0)."""
+    med = [statistics.median(x) * 1e6 for x in zip(*clocks, strict=True)]
+    rest = statistics.median(c - k - x for c, k, x in clocks) * 1e6
+    every = comm.gather([*med, rest])
+    if comm.rank == 0:
+        call, kernel, coll, rest = (max(m[i] for m in every) for i in range(4))
+        print(
+            f"C timers, one call, {comm.size} rank(s): later layers' median us: call {call:.1f}, "
+            f"kernel {kernel:.1f}, collective {coll:.1f}; overhead (call - both) {rest:.1f}"
+        )
+
+
+def report(comm, args, variant, times):
+    """Print one variant's per-layer breakdown on rank 0."""
+    med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    med["per step"] = statistics.median(per_step(times, args.steps)) * 1e6
+    first, later = by_layer(times, args.steps)
     med["first layer"], med["later layers"] = first * 1e6, later * 1e6
     every = comm.gather(med)
     if comm.rank:
@@ -148,8 +226,8 @@ def main():
     call, merge, kernel, coll = (med[k] for k in ("mpitree call", "merge", "kernel", "collective"))
     local = med.get("local", kernel)  # no checked step: every layer ran its one call
     print(
-        f"{comm.size} rank(s), context {args.context}, {args.layers} layers, Llama 8 q / 2 kv "
-        f"heads, D 32, float32; "
+        f"{variant}: {comm.size} rank(s), context {args.context}, {args.layers} layers, "
+        f"Llama 8 q / 2 kv heads, D 32, float32; "
         f"slowest rank's median of {args.steps} steps, us per layer"
     )
     rows = [
@@ -168,7 +246,7 @@ def main():
         ("mpitree attention call", call),
     ]
     if "local" in med:
-        print(f"  (the checked path ran {len(TIMES['local'])} of {len(TIMES['merge'])} layers)")
+        print(f"  (the checked path ran {len(times['local'])} of {len(times['merge'])} layers)")
     if "sdpa call" in med:
         rows.append(("sdpa attention call (1 process)", med["sdpa call"]))
         rows.append(("whole step, mpitree / sdpa (us)", None))

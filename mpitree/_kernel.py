@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from ._library import AttnArgs, LayerArgs, native_lib
+from ._runtime import request_calls
 
 KERNEL_ENV = "MPITREE_LOCAL_KERNEL"  # "native" (default when built) or "numpy"
 _local = threading.local()  # per-thread scratch buffer of the kernel
@@ -425,11 +426,13 @@ class BoundLayer:
     struct with everything else bound. A step sets ``call.q``, ``call.t``,
     ``call.vis`` and ``call.vis_heads``; :meth:`fill` runs the kernel into the
     records and, after the merge, :meth:`finish` writes the output in
-    ``(B, Sq, Hq, D)`` order. The caller checks that the layout it was bound for
-    still holds; the arrays behind the addresses are kept alive here.
+    ``(B, Sq, Hq, D)`` order. Where the merge is one persistent all-reduce
+    (:meth:`bind_merge`), :meth:`step` does all three in one call. The caller
+    checks that the layout it was bound for still holds; the arrays behind the
+    addresses are kept alive here.
     """
 
-    __slots__ = ("_attend", "_finish", "_keep", "_ref", "call")
+    __slots__ = ("_attend", "_finish", "_keep", "_ref", "_status", "_step", "call")
 
     def __init__(self, lib, shape, kv_heads, k, v, records, scale, keep):
         b, hq, sq, dim = shape
@@ -441,6 +444,7 @@ class BoundLayer:
         self._keep = (*keep, scratch)
         self._ref = ctypes.byref(call)
         self._attend, self._finish = lib.mpitree_layer_attend_f32, lib.mpitree_layer_finish_f32
+        self._step, self._status = lib.mpitree_layer_step_f32, None
 
     @classmethod
     def of(cls, shape, kv_heads, k, v, records, scale, keep=()):
@@ -474,6 +478,37 @@ class BoundLayer:
     def finish(self, out):
         """Write the merged records' output to address ``out``: float32 ``(B, Sq, Hq, D)``."""
         self._finish(self._ref, out)
+
+    def bind_merge(self, request, flag):
+        """Bind the merge that :meth:`step` runs; return False where MPI's calls are not found.
+
+        Parameters
+        ----------
+        request : int or None
+            Address of the handle of the merge's persistent all-reduce (over the
+            bound records and the flag record after them), or None for one rank
+            (no collective).
+        flag : int
+            Address of the float32 flag record's ``m``.
+        """
+        call = self.call
+        if request is not None:
+            calls = request_calls()
+            if calls is None:
+                return False
+            start, wait, status = calls
+            self._status = np.empty(max(status, 8), np.uint8)
+            call.start, call.wait, call.status = start, wait, self._status.ctypes.data
+        call.request, call.flag = request, flag
+        return True
+
+    def step(self, out):
+        """Run the kernel, the bound merge and, unless a rank failed, the output to ``out``.
+
+        Returns 0 (``out`` written), 1 (some rank's flag says it failed) or 2 (an
+        MPI call failed with the code in ``call.mpi_error``).
+        """
+        return self._step(self._ref, out)
 
 
 def read_seconds(x):

@@ -46,6 +46,15 @@ class LayerArgs(ctypes.Structure):
         ("rec", ctypes.c_void_p),
         ("scratch", ctypes.c_void_p),
         ("args", AttnArgs),
+        ("start", ctypes.c_void_p),
+        ("wait", ctypes.c_void_p),
+        ("request", ctypes.c_void_p),
+        ("status", ctypes.c_void_p),
+        ("flag", ctypes.c_void_p),
+        ("timed", ctypes.c_int64),
+        ("kernel_ns", ctypes.c_int64),
+        ("collective_ns", ctypes.c_int64),
+        ("mpi_error", ctypes.c_int64),
     ]
 
 
@@ -91,6 +100,8 @@ def _load():
         lib.mpitree_layer_attend_f32.argtypes = [ctypes.POINTER(LayerArgs)]
         lib.mpitree_layer_finish_f32.restype = None
         lib.mpitree_layer_finish_f32.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_void_p]
+        lib.mpitree_layer_step_f32.restype = ctypes.c_int
+        lib.mpitree_layer_step_f32.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_void_p]
         lib.mpitree_attend_scratch.restype = ctypes.c_int64
         lib.mpitree_attend_scratch.argtypes = [ctypes.c_int64] * 2
         lib.mpitree_read_f32.restype = ctypes.c_float

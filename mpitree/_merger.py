@@ -96,6 +96,42 @@ class Merger:
             raise_failure(self.comm, error)
         return self.records
 
+    def bind_layer(self, bound):
+        """Bind a :class:`~mpitree.extend.BoundLayer`'s step to this merge; return whether it could.
+
+        It can where the merger's records are float32 and its strategy merges in
+        one persistent all-reduce (or there is one rank): :meth:`merge_layer` then
+        runs the layer's whole step in one compiled call.
+        """
+        collective = self._impl.bound_collective() if self.buf.dtype == np.float32 else None
+        return collective is not None and bound.bind_merge(*collective)
+
+    def merge_layer(self, bound, out):
+        """Run a bound layer's kernel, this merge and its output in one compiled call.
+
+        Parameters
+        ----------
+        bound : mpitree.extend.BoundLayer
+            Bound to this merger's records and, by :meth:`bind_layer`, to its
+            collective; its step cannot fail locally, so this rank's flag is clear.
+        out : int
+            Address of the float32 ``(B, Sq, Hq, D)`` output, written on success.
+
+        Raises
+        ------
+        Exception
+            On every rank when any rank's local work failed (its flag rode the
+            merge); ``mpi4py.MPI.Exception`` where an MPI call returned an error.
+        """
+        code = self._impl.reduce_bound(bound, out)
+        if code is None:  # freed: the general path, as a merge after free runs
+            self.merge(bound)
+            bound.finish(out)
+        elif code == 1:
+            raise_failure(self.comm, None)
+        elif code == 2:
+            raise MPI.Exception(bound.call.mpi_error)
+
     def free(self):
         """Release the merger's MPI resources now (otherwise when it is collected)."""
         self._finalizer()

@@ -7,7 +7,9 @@
  *                     its own exponential (no libm: the same bits everywhere)
  *   _native_kernel.c  the float32 local-attention kernel: its ISA builds and dispatch
  *   _native_finish.c  the attention output of merged records
- *   _native_layer.c   one decode layer's step, bound once: the kernel, then finishing
+ *   _native_layer.c   one decode layer's step, bound once: the kernel, the merge's
+ *                     collective (MPI_Start/MPI_Wait through addresses handed over by
+ *                     mpi4py, so still no mpi.h) and finishing
  *   _native_read.c    the stream-read bandwidth floor that benchmarks measure against
  */
 #ifndef MPITREE_NATIVE_H
@@ -54,6 +56,15 @@ typedef struct {
     float *rec;         /* bound: the merge's (B, Hq, Sq, D + 2) records */
     float *scratch;     /* bound: mpitree_attend_scratch(G * Sq, D) floats */
     mpitree_attn_args args;
+    /* bound by BoundLayer.bind_merge: the merge's persistent all-reduce, run from here */
+    int (*start)(void *request);               /* MPI_Start, or NULL: one rank, no collective */
+    int (*wait)(void *request, void *status);  /* MPI_Wait */
+    void *request;                             /* the address of the request's handle */
+    void *status;                              /* room for one MPI_Status */
+    float *flag;                               /* the merge buffer's flag record (its m) */
+    int64_t timed;                             /* nonzero: write the two durations below */
+    int64_t kernel_ns, collective_ns;
+    int64_t mpi_error;                         /* the failing MPI call's error code */
 } mpitree_layer;
 
 /* _native_op.c */
@@ -79,6 +90,7 @@ void mpitree_finish_f32(const float *rec, int64_t batch, int64_t heads, int64_t 
 /* _native_layer.c */
 void mpitree_layer_attend_f32(mpitree_layer *l);
 void mpitree_layer_finish_f32(const mpitree_layer *l, float *out);
+int mpitree_layer_step_f32(mpitree_layer *l, float *out);
 
 /* _native_read.c */
 float mpitree_read_f32(const float *x, int64_t n);

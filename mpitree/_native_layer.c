@@ -5,8 +5,15 @@
 /* step after step; a step sets only q, the shard length and the step's      */
 /* visibility, then one call runs the kernel into the records and, after the */
 /* merge, one call writes the output in transformers' (B, Sq, Hq, D) layout. */
+/* Where the merge is one persistent all-reduce, mpitree_layer_step_f32 does */
+/* all three in one call: the merge's own Python (mpitree/_merger.py         */
+/* Merger.merge_layer) only counts the bytes and reads the verdict.          */
 /* ------------------------------------------------------------------------- */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime */
+
+#include <math.h>
 #include <stddef.h>
+#include <time.h>
 
 #include "_native.h"
 
@@ -25,4 +32,45 @@ void mpitree_layer_finish_f32(const mpitree_layer *l, float *out)
 {
     const mpitree_attn_args *a = &l->args;
     mpitree_finish_f32(l->rec, a->batch, a->q_heads, a->q_len, a->head_dim, out);
+}
+
+/* Monotonic nanoseconds (for phase_times only). */
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/*
+ * The whole step: the kernel into the records, this rank's flag (no failure: nothing
+ * here fails), the bound all-reduce, then the output into out unless some rank failed.
+ * Returns 0 (out written), 1 (a rank's flag says it failed: out untouched) or 2 (an MPI
+ * call returned the error code left in l->mpi_error).
+ */
+int mpitree_layer_step_f32(mpitree_layer *l, float *out)
+{
+    int64_t t0 = l->timed ? now_ns() : 0, t1 = 0;
+    mpitree_layer_attend_f32(l);
+    if (l->timed)
+        t1 = now_ns();
+    *l->flag = -INFINITY;
+    if (l->start != NULL) {
+        int err = l->start(l->request);
+        if (err == 0)
+            err = l->wait(l->request, l->status);
+        if (err != 0) {
+            l->mpi_error = err;
+            return 2;
+        }
+    }
+    if (l->timed) {
+        int64_t t2 = now_ns();
+        l->kernel_ns = t1 - t0;
+        l->collective_ns = t2 - t1;
+    }
+    if (*l->flag != -INFINITY)
+        return 1;
+    mpitree_layer_finish_f32(l, out);
+    return 0;
 }

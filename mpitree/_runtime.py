@@ -1,6 +1,7 @@
-"""Process-wide runtime: the library-private communicator and BLAS thread limits."""
+"""Process-wide runtime: the library-private communicator, BLAS thread limits, MPI's calls."""
 
 import atexit
+import ctypes
 import os
 import threading
 
@@ -10,6 +11,8 @@ _THREADS_ENV = "MPITREE_BLAS_THREADS"
 _lock = threading.Lock()
 _default_comm = None
 _blas_threads = None  # threads set so far in this process, or None
+_request_calls = False  # not looked up yet
+_initialized = False  # MPI was seen initialized
 
 
 def check_mpi_usable():
@@ -18,16 +21,19 @@ def check_mpi_usable():
     Any MPI call outside that window aborts the process from inside the MPI
     library; mpitree's entry points call this first, on every rank that calls them.
     """
+    global _initialized
     if MPI.Is_finalized():
         raise RuntimeError(
             "mpitree: MPI has been finalized (MPI.Finalize() was called), and no MPI call "
             "may follow it; decode before finalizing, or let mpi4py finalize at exit"
         )
-    if not MPI.Is_initialized():
-        raise RuntimeError(
-            "mpitree: MPI is not initialized (mpi4py.rc.initialize = False?); call "
-            "MPI.Init() or MPI.Init_thread() first"
-        )
+    if not _initialized:  # once initialized, MPI stays so (finalized is checked above)
+        if not MPI.Is_initialized():
+            raise RuntimeError(
+                "mpitree: MPI is not initialized (mpi4py.rc.initialize = False?); call "
+                "MPI.Init() or MPI.Init_thread() first"
+            )
+        _initialized = True
 
 
 def default_comm() -> MPI.Intracomm:
@@ -120,3 +126,23 @@ def limit_blas_threads():
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     set_blas_threads(max(1, (cores or 1) // ranks_on_node()))
+
+
+def request_calls():
+    """Return ``(MPI_Start, MPI_Wait, size of an MPI_Status)`` of the MPI that mpi4py loaded.
+
+    The two are addresses, found in the libraries mpi4py's extension module
+    loaded (whichever MPI it runs on); both take pointers only (to a request's
+    handle, to a status), so a compiled caller needs no ``mpi.h``. None where
+    they cannot be found. Looked up once.
+    """
+    global _request_calls
+    if _request_calls is False:
+        try:
+            lib = ctypes.CDLL(MPI.__file__)
+            found = (lib.MPI_Start, lib.MPI_Wait)
+            start, wait = (ctypes.cast(f, ctypes.c_void_p).value for f in found)
+            _request_calls = (start, wait, MPI._sizeof(MPI.Status))
+        except (OSError, AttributeError, TypeError):
+            _request_calls = None
+    return _request_calls

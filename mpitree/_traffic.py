@@ -53,6 +53,7 @@ _POINTS = (
     ("mpitree._decode_plan", "", "agree", "agreement"),  # a validating plan's step
     ("mpitree.extend", "", "agree", "agreement"),  # the adapters' agreements
     ("mpitree._merger", "Merger", "merge", "merge"),
+    ("mpitree._merger", "Merger", "merge_layer", "layer"),  # merge; its kernel, collective
     ("mpitree._invariant_merger", "InvariantMerger", "merge", "merge"),
     ("mpitree._local", "", "attend_native", "kernel"),
     ("mpitree._kernel", "Prepared", "run", "kernel"),
@@ -67,6 +68,16 @@ _open = []  # the times dict of each open block, in the order they opened
 _dicts = ()  # the distinct dicts of the open blocks: what a timed call appends to
 _saved = []  # (owner, attribute, original) of every wrapper on, while a block is open
 _depth = threading.local()  # per thread: the phases being timed now
+
+
+def _append(phase, took):
+    """Append ``took`` seconds to ``phase`` in every open block (never raises)."""
+    for times in _dicts:  # dicts, checked on entry
+        got = times.get(phase)
+        if type(got) is list:
+            got.append(took)
+        else:
+            times[phase] = [took]
 
 
 def _timed(fn, phase):
@@ -84,12 +95,30 @@ def _timed(fn, phase):
         finally:
             took = time.perf_counter() - start
             depth[phase] = False
-            for times in _dicts:  # dicts, checked on entry: nothing here raises
-                got = times.get(phase)
-                if type(got) is list:
-                    got.append(took)
-                else:
-                    times[phase] = [took]
+            _append(phase, took)
+
+    return wrapper
+
+
+def _timed_layer(fn):
+    """Wrap ``Merger.merge_layer``: a merge whose kernel and collective run in one C call.
+
+    The compiled step times its kernel and its collective (with the flag) itself
+    while ``call.timed`` is set; they count as those phases, the call as a merge.
+    """
+    merge = _timed(fn, "merge")
+
+    @functools.wraps(fn)
+    def wrapper(self, bound, out):
+        call = bound.call
+        call.timed, call.kernel_ns, call.collective_ns = 1, -1, -1
+        try:
+            return merge(self, bound, out)
+        finally:
+            call.timed = 0
+            if call.kernel_ns >= 0:  # the compiled step ran (not the general path)
+                _append("kernel", call.kernel_ns * 1e-9)
+                _append("collective", call.collective_ns * 1e-9)
 
     return wrapper
 
@@ -127,7 +156,9 @@ def phase_times(times=None):
       the ``deterministic="invariant"`` merger's included;
     - ``"collective"``: the merge strategy's collective with its failure flag
       (the invariant merger's collective counts in its ``"merge"`` only);
-    - ``"kernel"``: the compiled local-attention kernel, its ctypes call included;
+    - ``"kernel"``: the compiled local-attention kernel, its ctypes call included
+      (a transformers layer's one compiled step, ``Merger.merge_layer``, times
+      its kernel and its collective in C: there they are the C code's alone);
     - ``"local"``: a transformers layer's checked local step (when that adapter
       is imported before the first open block starts).
 
@@ -197,7 +228,8 @@ class _PhaseTimes:
                     for owner, attr, phase in _targets():
                         fn = vars(owner)[attr]
                         _saved.append((owner, attr, fn))
-                        setattr(owner, attr, _timed(fn, phase))
+                        wrapped = _timed_layer(fn) if phase == "layer" else _timed(fn, phase)
+                        setattr(owner, attr, wrapped)
                 except BaseException:
                     _restore()
                     raise

@@ -15,18 +15,25 @@ from helpers import world
 from models import greedy, prompt, tiny_llama
 from mpitree.adapters.transformers import _attention
 
-from mpitree import _kernel
+from mpitree import _kernel, _merger, extend
+from mpitree._strategies import allreduce
 from mpitree.extend import RankError
 
 NEW_TOKENS = 8
 
 
 def counting(monkeypatch):
-    """Count the one-call path's kernel runs."""
+    """Count the one-call path's kernel runs (inside the merge, or the whole step in one call)."""
     runs = []
-    real = _kernel.BoundLayer.fill
-    monkeypatch.setattr(_kernel.BoundLayer, "fill", lambda self, r: runs.append(1) or real(self, r))
+    fill, step = _kernel.BoundLayer.fill, _kernel.BoundLayer.step
+    monkeypatch.setattr(_kernel.BoundLayer, "fill", lambda self, r: runs.append(1) or fill(self, r))
+    monkeypatch.setattr(_kernel.BoundLayer, "step", lambda self, o: runs.append(2) or step(self, o))
     return runs
+
+
+def unfused(monkeypatch):
+    """Make bound layers run the kernel inside the merge, then the output: not one call."""
+    monkeypatch.setattr(_merger.Merger, "bind_layer", lambda self, bound: False)
 
 
 def decode(model, ids, mask, cache, steps):
@@ -46,13 +53,19 @@ def prefilled(model, ids, mask, placement):
 
 
 @pytest.mark.parallel(nprocs=[1, 2, 3])
-@pytest.mark.parametrize("placement", mtt.PLACEMENTS)
-@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
-def test_one_call_path_gives_the_checked_paths_bits(monkeypatch, placement, padded):
+@pytest.mark.parametrize(
+    "placement, padded, fused",
+    [(p, padded, True) for p in mtt.PLACEMENTS for padded in (False, True)]
+    + [(mtt.PLACEMENTS[0], True, False)],
+    ids=lambda x: {False: "no", True: "yes"}.get(x, x) if isinstance(x, bool) else x,
+)
+def test_one_call_path_gives_the_checked_paths_bits(monkeypatch, placement, padded, fused):
     """Same logits, bit for bit, with and without the one-call path; tokens as eager's.
 
     Left padding gives the decode steps a visibility the kernel reads (on the ranks
-    holding padded keys).
+    holding padded keys). The one-call path runs the whole step in one compiled call
+    where the merge is one persistent all-reduce (MPICH; or one rank), and the kernel
+    inside the merge, then the output, otherwise: both are held to the checked path.
     """
     model = tiny_llama(layers=3)
     ids, mask = prompt(21, padded)
@@ -60,9 +73,13 @@ def test_one_call_path_gives_the_checked_paths_bits(monkeypatch, placement, padd
     ref = greedy(model, ids, mask, None, NEW_TOKENS)
     model.set_attn_implementation("mpitree")
     runs = counting(monkeypatch)
+    if not fused:
+        unfused(monkeypatch)
     cache = prefilled(model, ids, mask, placement)
     tokens, logits = decode(model, ids, mask, cache, NEW_TOKENS)
     assert len(runs) >= (NEW_TOKENS - 1) * 3, len(runs)  # each layer after its checked step
+    one_call = fused and (world().size == 1 or allreduce._PERSISTENT_OK)  # Open MPI: blocking
+    assert set(runs) == {2 if one_call else 1}, set(runs)
     assert torch.equal(tokens, ref.sequences)
     with monkeypatch.context() as checked:
         checked.setattr(_attention, "_fast_attention", lambda *a: None)
@@ -180,9 +197,14 @@ def test_the_one_call_path_leaves_a_prompt_to_the_checked_path(monkeypatch):
 
 @pytest.mark.parallel(nprocs=[2, 3])
 @pytest.mark.parametrize("change", ["scaling", "query shape"])
-def test_a_later_layer_diverging_on_one_rank_raises_on_every_rank(change):
-    """The bound ranks run their one call into the merge; the odd rank's checks fail there."""
+def test_a_later_layer_diverging_on_one_rank_raises_on_every_rank(monkeypatch, change):
+    """The bound ranks run their one call into the merge; the odd rank's checks fail there.
+
+    Under MPICH the bound ranks' whole step is one compiled call: its flag carries
+    the odd rank's failure out of the all-reduce it starts itself.
+    """
     comm = world()
+    runs = counting(monkeypatch)
     q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(1))
     bad = comm.rank == comm.size - 1
 
@@ -199,6 +221,7 @@ def test_a_later_layer_diverging_on_one_rank_raises_on_every_rank(change):
         by_hand(q_of, scaling_of)[0]
     if not bad:
         assert isinstance(info.value, RankError)
+        assert runs and set(runs) == {2 if allreduce._PERSISTENT_OK else 1}, runs
     assert "differs from the step's first layer" in str(info.value)
 
 
@@ -286,3 +309,22 @@ def test_garbage_in_spare_room_and_padding_keys_contributes_nothing(monkeypatch,
     _, got = decode(model, tokens, mask, dirty, 4)
     assert torch.isfinite(want).all() and torch.equal(got, want)
     assert len(runs) >= 3 * len(dirty.layers), len(runs)  # every layer after its checked step
+
+
+@pytest.mark.parallel(nprocs=[1, 2])
+def test_phase_times_splits_the_one_call_step_into_its_phases(monkeypatch):
+    """Timed, a layer's one compiled call counts one merge, one kernel and one collective."""
+    model = tiny_llama(layers=3)
+    model.set_attn_implementation("mpitree")
+    ids, _ = prompt(17, False)
+    cache = prefilled(model, ids, None, "interleave")
+    tokens, _ = decode(model, ids, None, cache, 2)
+    runs = counting(monkeypatch)
+    with extend.phase_times() as times:
+        decode(model, tokens, None, cache, 3)
+    assert len(runs) == 3 * 3, runs
+    for phase in ("merge", "kernel", "collective"):
+        assert len(times[phase]) == len(runs), (phase, times[phase])
+    pairs = zip(times["merge"], times["kernel"], times["collective"], strict=True)
+    assert all(0 < kernel and 0 <= coll and kernel + coll <= merge for merge, kernel, coll in pairs)
+    assert all(layer.fast.bound.call.timed == 0 for layer in cache.layers)  # timers off again

@@ -600,6 +600,7 @@ class LayerFast:
 
     __slots__ = (
         "bound",
+        "fused",
         "merger",
         "out_shape",
         "q_shape",
@@ -617,6 +618,7 @@ class LayerFast:
         self.out_shape = (b, sq, hq, d)
         self.rows = (b, hq, sq) if sq > 1 else None  # rows that may be a prompt as T grows
         self.vis = 0  # the visibility address the bound call holds
+        self.fused = merger.bind_layer(bound)  # kernel, merge and output in one call
 
     def __deepcopy__(self, memo):
         """Return None: a copied cache has other buffers, so its layer starts unbound."""
@@ -720,9 +722,12 @@ def _fast_attention(view, query, key, value, mask, scaling, agreed):
     call.q, call.t = query.data_ptr(), step.t
     if fast.vis != step.vis:  # usually 0 (every key visible) step after step
         call.vis, call.vis_heads, fast.vis = step.vis, step.vis_heads, step.vis
-    agreed.merger.merge(bound)
     out, address = step.output(fast.out_shape, layer.sharding.layers)
-    bound.finish(address)
+    if fast.fused:
+        agreed.merger.merge_layer(bound, address)
+    else:
+        agreed.merger.merge(bound)
+        bound.finish(address)
     return out
 
 

@@ -39,6 +39,10 @@ class Strategy(ABC):
     def reduce(self, local, failed):
         """Merge the buffer in place; return whether any rank failed."""
 
+    def bound_collective(self):
+        """``(request address or None, flag address)`` a compiled step may run; None: it may not."""
+        return None
+
 
 def free_requests(requests):
     """Free persistent requests (local, never collective); safe after MPI finalized."""

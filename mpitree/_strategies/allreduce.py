@@ -40,6 +40,21 @@ class Allreduce(Strategy):
             except (RuntimeError, MPI.Exception):  # MPI < 4 has no persistent collectives
                 self._request = None
 
+    def bound_collective(self):
+        """Return the persistent request and flag a compiled step may Start and Wait itself."""
+        if self._many and self._request is None:
+            return None  # a blocking all-reduce: its handles' ABI differs between MPIs
+        request = MPI._addressof(self._request) if self._many else None
+        return request, self._flag.ctypes.data
+
+    def reduce_bound(self, bound, out):
+        """Run a layer bound to :meth:`bound_collective`; return its code (None: freed)."""
+        if self._many:
+            if not self.requests:  # freed with the merger: the handle is no longer valid
+                return None
+            traffic.add(self._nbytes)
+        return bound.step(out)
+
     def reduce(self, local, failed):
         """One all-reduce of records and flag (a merged flag record keeps d = n = 0)."""
         flag = self._flag
