@@ -154,24 +154,30 @@ def main():
             finally:
                 calls.append((module.layer_idx, time.perf_counter() - start))
 
+        bound = [layer.fast.bound.call for layer in cache.layers if layer.fast is not None]
         funcs["mpitree"] = outer
-        for layer in cache.layers:
-            layer.fast.bound.call.timed = 1
+        for call in bound:
+            call.timed, call.kernel_ns = 1, -1
         comm.Barrier()
-        with torch.no_grad():
-            model.set_attn_implementation("mpitree")
-            model(input_ids=tok, cache=cache, use_cache=True)
-        for layer in cache.layers:
-            layer.fast.bound.call.timed = 0
-        funcs["mpitree"] = timed_call
+        try:
+            with torch.no_grad():
+                model.set_attn_implementation("mpitree")
+                model(input_ids=tok, cache=cache, use_cache=True)
+        finally:
+            for call in bound:
+                call.timed = 0
+            funcs["mpitree"] = timed_call
         for idx, took in calls[1:] if keep else ():
-            call = cache.layers[idx].fast.bound.call
+            fast = cache.layers[idx].fast
+            call = None if fast is None else fast.bound.call
+            if call is None or call.kernel_ns < 0:
+                raise RuntimeError("a later layer did not run its one compiled call")
             clocks.append((took, call.kernel_ns * 1e-9, call.collective_ns * 1e-9))
 
     def one_call(on):
         for layer in cache.layers:
             if layer.fast is not None:
-                layer.fast.fused = on and layer.fast.bound.call.flag is not None
+                layer.fast.fused = on and layer.fast.bound.merger is not None
 
     runs = [("mpitree", cache)] + ([("sdpa", dynamic)] if dynamic is not None else [])
     variants = ["one call"] + (["unfused"] if args.unfused else [])

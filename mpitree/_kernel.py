@@ -11,7 +11,6 @@ import time
 import numpy as np
 
 from ._library import AttnArgs, LayerArgs, native_lib
-from ._runtime import request_calls
 
 KERNEL_ENV = "MPITREE_LOCAL_KERNEL"  # "native" (default when built) or "numpy"
 _local = threading.local()  # per-thread scratch buffer of the kernel
@@ -432,7 +431,7 @@ class BoundLayer:
     addresses are kept alive here.
     """
 
-    __slots__ = ("_attend", "_finish", "_keep", "_ref", "_status", "_step", "call")
+    __slots__ = ("_attend", "_finish", "_keep", "_ref", "_step", "call", "merger")
 
     def __init__(self, lib, shape, kv_heads, k, v, records, scale, keep):
         b, hq, sq, dim = shape
@@ -444,7 +443,7 @@ class BoundLayer:
         self._keep = (*keep, scratch)
         self._ref = ctypes.byref(call)
         self._attend, self._finish = lib.mpitree_layer_attend_f32, lib.mpitree_layer_finish_f32
-        self._step, self._status = lib.mpitree_layer_step_f32, None
+        self._step, self.merger = lib.mpitree_layer_step_f32, None
 
     @classmethod
     def of(cls, shape, kv_heads, k, v, records, scale, keep=()):
@@ -479,34 +478,37 @@ class BoundLayer:
         """Write the merged records' output to address ``out``: float32 ``(B, Sq, Hq, D)``."""
         self._finish(self._ref, out)
 
-    def bind_merge(self, request, flag):
-        """Bind the merge that :meth:`step` runs; return False where MPI's calls are not found.
+    def bind_merge(self, merger, collective):
+        """Bind the merge that :meth:`step` runs (use :meth:`Merger.bind_layer`).
 
         Parameters
         ----------
-        request : int or None
-            Address of the handle of the merge's persistent all-reduce (over the
-            bound records and the flag record after them), or None for one rank
-            (no collective).
-        flag : int
-            Address of the float32 flag record's ``m``.
+        merger : mpitree.extend.Merger
+            The merger whose records this layer was bound to; kept in ``merger``.
+        collective : tuple
+            ``(start, wait, request, flag)``: the addresses of ``MPI_Start`` and
+            ``MPI_Wait``, of the handle of the merger's persistent all-reduce (over
+            the records and the flag record after them), and of the float32 flag
+            record's ``m``; the first three None with one rank (no collective).
         """
         call = self.call
-        if request is not None:
-            calls = request_calls()
-            if calls is None:
-                return False
-            start, wait, status = calls
-            self._status = np.empty(max(status, 8), np.uint8)
-            call.start, call.wait, call.status = start, wait, self._status.ctypes.data
-        call.request, call.flag = request, flag
-        return True
+        call.start, call.wait, call.request, call.flag = collective
+        self.merger = merger
 
     def step(self, out):
-        """Run the kernel, the bound merge and, unless a rank failed, the output to ``out``.
+        """Run the kernel, the bound merge and, unless a rank failed, the output.
 
-        Returns 0 (``out`` written), 1 (some rank's flag says it failed) or 2 (an
-        MPI call failed with the code in ``call.mpi_error``).
+        Parameters
+        ----------
+        out : int
+            Address of the float32 ``(B, Sq, Hq, D)`` output.
+
+        Returns
+        -------
+        int
+            0: ``out`` written; 1: some rank's flag says it failed (``out``
+            untouched); 2: an MPI call failed with the code in
+            ``call.mpi_error``; 3: no merge is bound (nothing ran).
         """
         return self._step(self._ref, out)
 

@@ -8,6 +8,7 @@ import os
 import threading
 
 NATIVE_ENV = "MPITREE_NATIVE_OP"
+STATUS_WORDS = 8  # int64 words of room for one MPI_Status in mpitree_layer
 _lock = threading.Lock()
 _loaded = False
 _lib = None
@@ -49,12 +50,12 @@ class LayerArgs(ctypes.Structure):
         ("start", ctypes.c_void_p),
         ("wait", ctypes.c_void_p),
         ("request", ctypes.c_void_p),
-        ("status", ctypes.c_void_p),
         ("flag", ctypes.c_void_p),
         ("timed", ctypes.c_int64),
         ("kernel_ns", ctypes.c_int64),
         ("collective_ns", ctypes.c_int64),
         ("mpi_error", ctypes.c_int64),
+        ("status", ctypes.c_int64 * STATUS_WORDS),
     ]
 
 

@@ -97,14 +97,27 @@ class Merger:
         return self.records
 
     def bind_layer(self, bound):
-        """Bind a :class:`~mpitree.extend.BoundLayer`'s step to this merge; return whether it could.
+        """Bind a layer's one-call step to this merge.
 
-        It can where the merger's records are float32 and its strategy merges in
-        one persistent all-reduce (or there is one rank): :meth:`merge_layer` then
-        runs the layer's whole step in one compiled call.
+        Parameters
+        ----------
+        bound : mpitree.extend.BoundLayer
+            Bound to this merger's records.
+
+        Returns
+        -------
+        bool
+            Whether it could: where the records are float32 and the strategy
+            merges in one persistent all-reduce (or there is one rank).
+            :meth:`merge_layer` then runs the layer's whole step in one
+            compiled call; otherwise it runs the kernel inside :meth:`merge`,
+            then finishes.
         """
         collective = self._impl.bound_collective() if self.buf.dtype == np.float32 else None
-        return collective is not None and bound.bind_merge(*collective)
+        if collective is None:
+            return False
+        bound.bind_merge(self, collective)
+        return True
 
     def merge_layer(self, bound, out):
         """Run a bound layer's kernel, this merge and its output in one compiled call.
@@ -112,8 +125,9 @@ class Merger:
         Parameters
         ----------
         bound : mpitree.extend.BoundLayer
-            Bound to this merger's records and, by :meth:`bind_layer`, to its
-            collective; its step cannot fail locally, so this rank's flag is clear.
+            Bound to this merger's records; its step cannot fail locally, so this
+            rank's flag is clear. Bound by :meth:`bind_layer`, it runs in one
+            call; otherwise its kernel runs inside :meth:`merge`, then it finishes.
         out : int
             Address of the float32 ``(B, Sq, Hq, D)`` output, written on success.
 
@@ -123,8 +137,8 @@ class Merger:
             On every rank when any rank's local work failed (its flag rode the
             merge); ``mpi4py.MPI.Exception`` where an MPI call returned an error.
         """
-        code = self._impl.reduce_bound(bound, out)
-        if code is None:  # freed: the general path, as a merge after free runs
+        code = self._impl.reduce_bound(bound, out) if bound.merger is self else None
+        if code is None:  # unbound, or freed: the general path (as a merge after free runs)
             self.merge(bound)
             bound.finish(out)
         elif code == 1:

@@ -47,6 +47,8 @@ typedef struct {
     float scale;
 } mpitree_attn_args;
 
+#define MPITREE_STATUS_WORDS 8 /* an MPI_Status fits: 20 bytes MPICH, 24 Open MPI, 32 MPI ABI */
+
 typedef struct {
     const float *q;     /* this step's (B, Hq, Sq, D) query, C order */
     int64_t t;          /* this step's shard length T */
@@ -60,11 +62,11 @@ typedef struct {
     int (*start)(void *request);               /* MPI_Start, or NULL: one rank, no collective */
     int (*wait)(void *request, void *status);  /* MPI_Wait */
     void *request;                             /* the address of the request's handle */
-    void *status;                              /* room for one MPI_Status */
     float *flag;                               /* the merge buffer's flag record (its m) */
     int64_t timed;                             /* nonzero: write the two durations below */
     int64_t kernel_ns, collective_ns;
     int64_t mpi_error;                         /* the failing MPI call's error code */
+    int64_t status[MPITREE_STATUS_WORDS];      /* room for one MPI_Status */
 } mpitree_layer;
 
 /* _native_op.c */

@@ -45,29 +45,31 @@ static int64_t now_ns(void)
 /*
  * The whole step: the kernel into the records, this rank's flag (no failure: nothing
  * here fails), the bound all-reduce, then the output into out unless some rank failed.
- * Returns 0 (out written), 1 (a rank's flag says it failed: out untouched) or 2 (an MPI
- * call returned the error code left in l->mpi_error).
+ * Returns 0 (out written), 1 (a rank's flag says it failed: out untouched), 2 (an MPI
+ * call returned the error code left in l->mpi_error) or 3 (no merge is bound: nothing ran).
  */
 int mpitree_layer_step_f32(mpitree_layer *l, float *out)
 {
-    int64_t t0 = l->timed ? now_ns() : 0, t1 = 0;
+    int err = 0;
+    int64_t t0, t1;
+    if (l->flag == NULL)
+        return 3;
+    t0 = l->timed ? now_ns() : 0;
     mpitree_layer_attend_f32(l);
-    if (l->timed)
-        t1 = now_ns();
+    t1 = l->timed ? now_ns() : 0;
     *l->flag = -INFINITY;
     if (l->start != NULL) {
-        int err = l->start(l->request);
+        err = l->start(l->request);
         if (err == 0)
             err = l->wait(l->request, l->status);
-        if (err != 0) {
-            l->mpi_error = err;
-            return 2;
-        }
     }
     if (l->timed) {
-        int64_t t2 = now_ns();
         l->kernel_ns = t1 - t0;
-        l->collective_ns = t2 - t1;
+        l->collective_ns = now_ns() - t1;
+    }
+    if (err != 0) {
+        l->mpi_error = err;
+        return 2;
     }
     if (*l->flag != -INFINITY)
         return 1;

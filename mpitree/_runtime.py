@@ -1,4 +1,4 @@
-"""Process-wide runtime: the library-private communicator, BLAS thread limits, MPI's calls."""
+"""Process-wide runtime: the library-private communicator, BLAS threads, MPI_Start/MPI_Wait."""
 
 import atexit
 import ctypes
@@ -128,21 +128,48 @@ def limit_blas_threads():
     set_blas_threads(max(1, (cores or 1) // ranks_on_node()))
 
 
-def request_calls():
-    """Return ``(MPI_Start, MPI_Wait, size of an MPI_Status)`` of the MPI that mpi4py loaded.
+def _address(lib, name):
+    """Return the address of symbol ``name`` in ``lib``'s scope, or None."""
+    try:
+        return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+    except AttributeError:
+        return None
 
-    The two are addresses, found in the libraries mpi4py's extension module
-    loaded (whichever MPI it runs on); both take pointers only (to a request's
-    handle, to a status), so a compiled caller needs no ``mpi.h``. None where
-    they cannot be found. Looked up once.
+
+def request_calls(status_bytes):
+    """Return the addresses of ``MPI_Start`` and ``MPI_Wait`` of the MPI that mpi4py loaded.
+
+    Both take pointers only (to a request's handle, to a status), so a compiled
+    caller needs no ``mpi.h``. They are looked up, once, in the libraries
+    mpi4py's extension module loaded; but where the process's global scope
+    holds that same MPI library (its ``PMPI_Start`` is the same), there, so
+    that a profiling tool preloaded over ``MPI_Start`` sees these calls as it
+    sees mpi4py's.
+
+    Parameters
+    ----------
+    status_bytes : int
+        The room the caller has for an ``MPI_Status``.
+
+    Returns
+    -------
+    tuple of int or None
+        ``(MPI_Start, MPI_Wait)``; None where they are not found or an
+        ``MPI_Status`` needs more than ``status_bytes``.
     """
     global _request_calls
     if _request_calls is False:
+        found = None
         try:
-            lib = ctypes.CDLL(MPI.__file__)
-            found = (lib.MPI_Start, lib.MPI_Wait)
-            start, wait = (ctypes.cast(f, ctypes.c_void_p).value for f in found)
-            _request_calls = (start, wait, MPI._sizeof(MPI.Status))
-        except (OSError, AttributeError, TypeError):
-            _request_calls = None
-    return _request_calls
+            mpi4py_scope, global_scope = ctypes.CDLL(MPI.__file__), ctypes.CDLL(None)
+            pmpi = _address(mpi4py_scope, "PMPI_Start")
+            same = pmpi is not None and _address(global_scope, "PMPI_Start") == pmpi
+            scope = global_scope if same else mpi4py_scope
+            found = (_address(scope, "MPI_Start"), _address(scope, "MPI_Wait"))
+        except OSError:
+            pass
+        ok = found is not None and None not in found
+        _request_calls = (found, MPI._sizeof(MPI.Status)) if ok else None
+    if _request_calls is None or _request_calls[1] > status_bytes:
+        return None
+    return _request_calls[0]

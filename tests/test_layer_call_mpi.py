@@ -328,3 +328,49 @@ def test_phase_times_splits_the_one_call_step_into_its_phases(monkeypatch):
     pairs = zip(times["merge"], times["kernel"], times["collective"], strict=True)
     assert all(0 < kernel and 0 <= coll and kernel + coll <= merge for merge, kernel, coll in pairs)
     assert all(layer.fast.bound.call.timed == 0 for layer in cache.layers)  # timers off again
+
+
+@pytest.mark.parallel(nprocs=[1, 2])
+def test_an_unbound_or_freed_merge_takes_the_general_path(monkeypatch):
+    """``merge_layer`` on a layer not bound to its merger, or after the merger was freed,
+    runs the kernel inside the merge and then finishes: the same bits, no crash."""
+    model = tiny_llama(layers=2)
+    model.set_attn_implementation("mpitree")
+    ids, _ = prompt(17, False)
+    cache = prefilled(model, ids, None, "interleave")
+    tokens, _ = decode(model, ids, None, cache, 2)
+    ref = copy.deepcopy(cache)
+    more, _ = decode(model, tokens, None, ref, 2)  # a copy binds afresh, in a later call
+    _, want = decode(model, more, None, ref, 3)
+    with monkeypatch.context() as patch:  # as an adapter ignoring bind_layer's False would
+        patch.setattr(_merger.Merger, "bind_layer", lambda self, bound: True)  # binds nothing
+        twin = copy.deepcopy(cache)
+        decode(model, tokens, None, twin, 2)
+        runs = counting(patch)
+        _, unbound = decode(model, more, None, twin, 3)
+    assert torch.equal(unbound, want) and set(runs) == {1}, set(runs)
+    for layer in twin.layers:
+        assert layer.fast.fused and layer.fast.bound.merger is None
+        assert layer.fast.bound.step(0) == 3  # unbound: nothing ran
+    decode(model, tokens, None, cache, 2)
+    for layer in cache.layers:
+        layer.fast.merger.free()
+    _, freed = decode(model, more, None, cache, 3)
+    assert torch.equal(freed, want)
+
+
+@pytest.mark.parallel(nprocs=[2])
+@pytest.mark.skipif(not allreduce._PERSISTENT_OK, reason="Open MPI: no one-call step to fail")
+def test_an_mpi_error_inside_the_one_call_step_raises_on_every_rank():
+    """MPI_Start failing inside the compiled step (its request freed behind mpitree's back)
+    raises ``mpi4py.MPI.Exception``, as mpi4py's own call would: no crash, no hang."""
+    from mpi4py import MPI
+
+    model = tiny_llama(layers=2)
+    model.set_attn_implementation("mpitree")
+    ids, _ = prompt(17, False)
+    cache = prefilled(model, ids, None, "interleave")
+    tokens, _ = decode(model, ids, None, cache, 2)
+    cache.layers[0].fast.merger._impl._request.Free()  # the handle is now MPI_REQUEST_NULL
+    with pytest.raises(MPI.Exception):
+        decode(model, tokens, None, cache, 1)

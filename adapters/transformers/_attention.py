@@ -682,15 +682,17 @@ def _rebind(view, query, key, value, scaling, signature, agreed):
 
 
 def _fast_attention(view, query, key, value, mask, scaling, agreed):
-    """Run a decode layer in one compiled call each side of its merge; None if it does not apply.
+    """Run a decode layer's kernel, merge and output in one compiled call; None: not here.
 
     Applies when the layer's :class:`LayerFast` is bound and this call repeats what
     it was bound for: the step's signature is the dict it was checked under, K/V
     are its buffers, the query has the same shape and strides, the mask and the
     shard are the step's. Everything a later layer's signature holds it to then
-    holds, so it runs the bound kernel inside the merge (whose flag carries no
-    failure: nothing here raises) and writes the output. Otherwise the checked
-    path runs. Never raises before the merge.
+    holds, so it runs the bound kernel, the merge (whose flag carries no failure:
+    nothing here raises) and the output, in one compiled call where the merge is
+    one persistent all-reduce (``LayerFast.fused``), else the kernel inside the
+    merge, then the output. Otherwise the checked path runs. Never raises before
+    the merge.
     """
     fast, layer = view.layer.fast, view.layer
     if fast is None or fast.signature is not agreed.signature or fast.merger is not agreed.merger:

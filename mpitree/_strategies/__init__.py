@@ -40,7 +40,11 @@ class Strategy(ABC):
         """Merge the buffer in place; return whether any rank failed."""
 
     def bound_collective(self):
-        """``(request address or None, flag address)`` a compiled step may run; None: it may not."""
+        """Return what a compiled step needs to run this merge itself; None: it may not."""
+        return None
+
+    def reduce_bound(self, bound, out):
+        """Run a layer bound to :meth:`bound_collective`; return its code (None: not now)."""
         return None
 
 

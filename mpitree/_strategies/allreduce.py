@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from .._library import STATUS_WORDS
 from .._op import record_op
+from .._runtime import request_calls
 from .._traffic import traffic
 from . import Strategy, register, set_flag
 
@@ -41,11 +43,19 @@ class Allreduce(Strategy):
                 self._request = None
 
     def bound_collective(self):
-        """Return the persistent request and flag a compiled step may Start and Wait itself."""
-        if self._many and self._request is None:
-            return None  # a blocking all-reduce: its handles' ABI differs between MPIs
-        request = MPI._addressof(self._request) if self._many else None
-        return request, self._flag.ctypes.data
+        """Return ``(MPI_Start, MPI_Wait, request, flag)`` addresses for a compiled step, or None.
+
+        The step starts and waits on the persistent request itself: both calls
+        take pointers only. A blocking all-reduce is not handed over (its
+        handles' ABI differs between MPIs). With one rank: no collective.
+        """
+        flag = self._flag.ctypes.data
+        if not self._many:
+            return None, None, None, flag
+        calls = None if self._request is None else request_calls(STATUS_WORDS * 8)
+        if calls is None:
+            return None
+        return (*calls, MPI._addressof(self._request), flag)
 
     def reduce_bound(self, bound, out):
         """Run a layer bound to :meth:`bound_collective`; return its code (None: freed)."""
