@@ -59,6 +59,39 @@ sys.stdout.flush()
 """
 
 
+BEFORE_INIT = """
+import mpi4py
+mpi4py.rc.initialize = False
+import numpy as np, mpitree
+from mpi4py import MPI
+
+q = np.ones((1, 2, 1, 8), np.float32)
+for when in ("before init", "after init", "after finalize"):
+    try:
+        out = mpitree.tree_decode(q, q, q)
+    except RuntimeError as exc:
+        print(when, "raised:", exc)
+    else:
+        print(when, "ran:", float(out.ravel()[0]))
+    if when == "before init":
+        MPI.Init()
+    elif when == "after init":
+        MPI.Finalize()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_an_entry_point_before_init_raises_then_runs_once_initialized():
+    """Without MPI initialized an entry point raises; once initialized it runs, and it
+    still raises after MPI is finalized (initialized is remembered, finalized never)."""
+    res = run(1, [sys.executable, "-c", BEFORE_INIT])
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("before init raised: mpitree: MPI is not initialized"), lines
+    assert lines[1] == "after init ran: 1.0", lines
+    assert lines[2].startswith("after finalize raised: mpitree: MPI has been finalized"), lines
+
+
 @pytest.mark.timeout(120)
 def test_every_entry_point_raises_after_finalize():
     path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
