@@ -46,8 +46,8 @@ def decode(model, ids, mask, cache, steps):
     return out.sequences, torch.stack(out.logits, 1)
 
 
-def prefilled(model, ids, mask, placement):
-    cache = mtt.ShardedCache(model.config, placement=placement, block_size=2)
+def prefilled(model, ids, mask, placement, comm=None):
+    cache = mtt.ShardedCache(model.config, placement=placement, block_size=2, comm=comm)
     mtt.prefill(model, ids[:, :-1], cache, attention_mask=None if mask is None else mask[:, :-1])
     return cache
 
@@ -330,14 +330,23 @@ def test_phase_times_splits_the_one_call_step_into_its_phases(monkeypatch):
     assert all(layer.fast.bound.call.timed == 0 for layer in cache.layers)  # timers off again
 
 
+@pytest.fixture
+def private_comm():
+    """A duplicate of the world, freed after: mergers a test breaks on purpose die with it
+    (the ranks' tests share one process, and mergers are cached per communicator)."""
+    comm = world().Dup()
+    yield comm
+    comm.Free()
+
+
 @pytest.mark.parallel(nprocs=[1, 2])
-def test_an_unbound_or_freed_merge_takes_the_general_path(monkeypatch):
+def test_an_unbound_or_freed_merge_takes_the_general_path(monkeypatch, private_comm):
     """``merge_layer`` on a layer not bound to its merger, or after the merger was freed,
     runs the kernel inside the merge and then finishes: the same bits, no crash."""
     model = tiny_llama(layers=2)
     model.set_attn_implementation("mpitree")
     ids, _ = prompt(17, False)
-    cache = prefilled(model, ids, None, "interleave")
+    cache = prefilled(model, ids, None, "interleave", private_comm)
     tokens, _ = decode(model, ids, None, cache, 2)
     ref = copy.deepcopy(cache)
     more, _ = decode(model, tokens, None, ref, 2)  # a copy binds afresh, in a later call
@@ -361,7 +370,7 @@ def test_an_unbound_or_freed_merge_takes_the_general_path(monkeypatch):
 
 @pytest.mark.parallel(nprocs=[2])
 @pytest.mark.skipif(not allreduce._PERSISTENT_OK, reason="Open MPI: no one-call step to fail")
-def test_an_mpi_error_inside_the_one_call_step_raises_on_every_rank():
+def test_an_mpi_error_inside_the_one_call_step_raises_on_every_rank(private_comm):
     """MPI_Start failing inside the compiled step (its request freed behind mpitree's back)
     raises ``mpi4py.MPI.Exception``, as mpi4py's own call would: no crash, no hang."""
     from mpi4py import MPI
@@ -369,7 +378,7 @@ def test_an_mpi_error_inside_the_one_call_step_raises_on_every_rank():
     model = tiny_llama(layers=2)
     model.set_attn_implementation("mpitree")
     ids, _ = prompt(17, False)
-    cache = prefilled(model, ids, None, "interleave")
+    cache = prefilled(model, ids, None, "interleave", private_comm)
     tokens, _ = decode(model, ids, None, cache, 2)
     cache.layers[0].fast.merger._impl._request.Free()  # the handle is now MPI_REQUEST_NULL
     with pytest.raises(MPI.Exception):
