@@ -46,6 +46,19 @@ def decode(model, ids, mask, cache, steps):
     return out.sequences, torch.stack(out.logits, 1)
 
 
+def decoding(layers, comm=None):
+    """A tiny Llama and its cache after two decode steps: every layer bound.
+
+    Returns the model, the cache and the tokens so far (the cache holds all but the last).
+    """
+    model = tiny_llama(layers=layers)
+    model.set_attn_implementation("mpitree")
+    ids, _ = prompt(17, False)
+    cache = prefilled(model, ids, None, "interleave", comm)
+    tokens, _ = decode(model, ids, None, cache, 2)
+    return model, cache, tokens
+
+
 def prefilled(model, ids, mask, placement, comm=None):
     cache = mtt.ShardedCache(model.config, placement=placement, block_size=2, comm=comm)
     mtt.prefill(model, ids[:, :-1], cache, attention_mask=None if mask is None else mask[:, :-1])
@@ -111,13 +124,7 @@ def test_copied_and_cropped_caches_decode_as_the_original(monkeypatch):
 @pytest.mark.parallel(nprocs=[1, 2, 3])
 def test_decode_steps_build_nothing_and_share_one_merger(monkeypatch):
     """After the first steps, no merger and no binding is built; one merger serves every layer."""
-    from mpitree import _merger
-
-    model = tiny_llama(layers=3)
-    model.set_attn_implementation("mpitree")
-    ids, _ = prompt(17, False)
-    cache = prefilled(model, ids, None, "interleave")
-    tokens, _ = decode(model, ids, None, cache, 2)
+    model, cache, tokens = decoding(3)
     mergers = {id(layer.fast.merger) for layer in cache.layers}
     buffers = [layer.fast.merger.records.ctypes.data for layer in cache.layers]
     built = []
@@ -314,11 +321,7 @@ def test_garbage_in_spare_room_and_padding_keys_contributes_nothing(monkeypatch,
 @pytest.mark.parallel(nprocs=[1, 2])
 def test_phase_times_splits_the_one_call_step_into_its_phases(monkeypatch):
     """Timed, a layer's one compiled call counts one merge, one kernel and one collective."""
-    model = tiny_llama(layers=3)
-    model.set_attn_implementation("mpitree")
-    ids, _ = prompt(17, False)
-    cache = prefilled(model, ids, None, "interleave")
-    tokens, _ = decode(model, ids, None, cache, 2)
+    model, cache, tokens = decoding(3)
     runs = counting(monkeypatch)
     with extend.phase_times() as times:
         decode(model, tokens, None, cache, 3)
@@ -343,11 +346,7 @@ def private_comm():
 def test_an_unbound_or_freed_merge_takes_the_general_path(monkeypatch, private_comm):
     """``merge_layer`` on a layer not bound to its merger, or after the merger was freed,
     runs the kernel inside the merge and then finishes: the same bits, no crash."""
-    model = tiny_llama(layers=2)
-    model.set_attn_implementation("mpitree")
-    ids, _ = prompt(17, False)
-    cache = prefilled(model, ids, None, "interleave", private_comm)
-    tokens, _ = decode(model, ids, None, cache, 2)
+    model, cache, tokens = decoding(2, private_comm)
     ref = copy.deepcopy(cache)
     more, _ = decode(model, tokens, None, ref, 2)  # a copy binds afresh, in a later call
     _, want = decode(model, more, None, ref, 3)
@@ -376,11 +375,7 @@ def test_an_mpi_error_inside_the_one_call_step_raises_on_every_rank(private_comm
     Under Open MPI the all-reduce is blocking: no layer takes the one call."""
     from mpi4py import MPI
 
-    model = tiny_llama(layers=2)
-    model.set_attn_implementation("mpitree")
-    ids, _ = prompt(17, False)
-    cache = prefilled(model, ids, None, "interleave", private_comm)
-    tokens, _ = decode(model, ids, None, cache, 2)
+    model, cache, tokens = decoding(2, private_comm)
     fused = [layer.fast.fused for layer in cache.layers]
     assert fused == [allreduce._PERSISTENT_OK] * len(fused), fused
     if not allreduce._PERSISTENT_OK:
