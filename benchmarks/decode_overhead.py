@@ -35,6 +35,7 @@ import torch
 import transformers
 from mpi4py import MPI
 
+from mpitree import extend
 from mpitree.extend import phase_times
 
 TIMES = {"one call": defaultdict(list), "unfused": defaultdict(list)}
@@ -96,7 +97,8 @@ def main():
         "--c-timers",
         action="store_true",
         help="also time each step with no Python timer inside the call: the one compiled "
-        "call's own clock splits it (kernel, collective)",
+        "call's own clock splits it (kernel, collective); and, interleaved, the same with "
+        "every layer through the guard (the entry point's lane off)",
     )
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
@@ -142,10 +144,11 @@ def main():
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MIN)
         TIMES[NOW[0]]["bare collective"].append(time.perf_counter() - start)
 
-    def c_timed_step(keep):
+    guarded = extend.entry_point(timed_call.__wrapped__.__wrapped__)  # no lane
+
+    def c_timed_step(keep, clocks, attention):
         """One step with only the outer timer; later layers read the one call's own clock."""
         calls = []
-        attention = funcs["mpitree"].__wrapped__
 
         def outer(module, *a, **k):
             start = time.perf_counter()
@@ -181,8 +184,9 @@ def main():
 
     runs = [("mpitree", cache)] + ([("sdpa", dynamic)] if dynamic is not None else [])
     variants = ["one call"] + (["unfused"] if args.unfused else [])
-    variants += ["C timers"] if args.c_timers else []
-    clocks = []  # C timers: (call, kernel, collective) seconds of each later layer
+    variants += ["C timers", "C timers, guarded"] if args.c_timers else []
+    # C timers: (call, kernel, collective) seconds of each later layer, lane on and off
+    clocks = {"C timers": [], "C timers, guarded": []}
     # mpitree's own timers: the merge, a step's one agreement (checks included), the
     # collective and its failure flag, the C kernel, a layer's checked step ("local")
     for i in range(args.warmup + args.steps):
@@ -192,8 +196,9 @@ def main():
         for variant in variants:
             NOW[0] = variant
             one_call(variant != "unfused")
-            if variant == "C timers":
-                c_timed_step(i >= args.warmup)
+            if variant in clocks:
+                attention = timed_call.__wrapped__ if variant == "C timers" else guarded
+                c_timed_step(i >= args.warmup, clocks[variant], attention)
                 continue
             with phase_times(TIMES[variant]):
                 comm.Barrier()
@@ -202,11 +207,11 @@ def main():
                     step(impl, c)
     for variant in variants[:2] if args.unfused else variants[:1]:
         report(comm, args, variant, TIMES[variant])
-    if args.c_timers:
-        report_clocks(comm, clocks)
+    for variant, taken in clocks.items() if args.c_timers else ():
+        report_clocks(comm, variant, taken)
 
 
-def report_clocks(comm, clocks):
+def report_clocks(comm, variant, clocks):
     """Print the C-timed step's later layers: call, kernel, collective, the rest (rank 0)."""
     med = [statistics.median(x) * 1e6 for x in zip(*clocks, strict=True)]
     rest = statistics.median(c - k - x for c, k, x in clocks) * 1e6
@@ -214,7 +219,7 @@ def report_clocks(comm, clocks):
     if comm.rank == 0:
         call, kernel, coll, rest = (max(m[i] for m in every) for i in range(4))
         print(
-            f"C timers, one call, {comm.size} rank(s): later layers' median us: call {call:.1f}, "
+            f"{variant}, one call, {comm.size} rank(s): later layers' median us: call {call:.1f}, "
             f"kernel {kernel:.1f}, collective {coll:.1f}; overhead (call - both) {rest:.1f}"
         )
 

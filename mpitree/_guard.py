@@ -56,17 +56,31 @@ class RankError(ValueError):
         super().__init__(f"mpitree: invalid input on rank {rank}: {reason}")
 
 
-def entry_point(fn):
+def entry_point(fn=None, *, lane=None):
     """Mark ``fn`` as a public entry point that communicates; register it for the catalogue.
 
     The outermost entry point of a call first checks that MPI can be used at all
     (:func:`check_mpi_usable`): after ``MPI.Finalize()`` any MPI call aborts the
     process from inside the MPI library.
+
+    A ``lane`` (``@entry_point(lane=...)``) is tried first, with the same
+    arguments, before all that: its result is the call's unless it is None, when
+    the guarded ``fn`` runs. It is for a call whose every check an earlier
+    agreement already made, such as a decode layer's one compiled call after its
+    step's first layer agreed: it runs no agreement, raises nothing before its
+    collective, and reaches MPI only through a compiled call that asks
+    ``MPI_Finalized`` itself (:meth:`Merger.merge_layer`).
     """
+    if fn is None:
+        return functools.partial(entry_point, lane=lane)
     name = f"{fn.__module__}.{fn.__qualname__}"
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if lane is not None:
+            out = lane(*args, **kwargs)
+            if out is not None:
+                return out
         outer = _entry.get()
         if outer is None:
             check_mpi_usable()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import operator
 import os
 import threading
@@ -426,12 +427,27 @@ class BoundLayer:
     ``call.vis`` and ``call.vis_heads``; :meth:`fill` runs the kernel into the
     records and, after the merge, :meth:`finish` writes the output in
     ``(B, Sq, Hq, D)`` order. Where the merge is one persistent all-reduce
-    (:meth:`bind_merge`), :meth:`step` does all three in one call. The caller
+    (:meth:`bind_merge`), ``step`` does all three in one call. The caller
     checks that the layout it was bound for still holds; the arrays behind the
     addresses are kept alive here.
+
+    Attributes
+    ----------
+    call : LayerArgs
+        The bound ``mpitree_layer`` struct.
+    merger : mpitree.extend.Merger or None
+        The merge bound by :meth:`bind_merge`.
+    step : callable
+        ``step(out) -> int``: run the kernel, the bound merge and, unless a rank
+        failed, the output into the float32 ``(B, Sq, Hq, D)`` at address
+        ``out``. It returns 0: ``out`` written; 1: some rank's flag says it
+        failed (``out`` untouched); 2: an MPI call failed with the code in
+        ``call.mpi_error``; 3: no merge is bound (nothing ran); 4: MPI is
+        finalized (nothing ran). The compiled function itself, its struct
+        bound (no Python frame: a decode layer calls it every step).
     """
 
-    __slots__ = ("_attend", "_finish", "_keep", "_ref", "_step", "call", "merger")
+    __slots__ = ("_attend", "_finish", "_keep", "_ref", "call", "merger", "step")
 
     def __init__(self, lib, shape, kv_heads, k, v, records, scale, keep):
         b, hq, sq, dim = shape
@@ -443,7 +459,7 @@ class BoundLayer:
         self._keep = (*keep, scratch)
         self._ref = ctypes.byref(call)
         self._attend, self._finish = lib.mpitree_layer_attend_f32, lib.mpitree_layer_finish_f32
-        self._step, self.merger = lib.mpitree_layer_step_f32, None
+        self.step, self.merger = functools.partial(lib.mpitree_layer_step_f32, self._ref), None
 
     @classmethod
     def of(cls, shape, kv_heads, k, v, records, scale, keep=()):
@@ -486,31 +502,15 @@ class BoundLayer:
         merger : mpitree.extend.Merger
             The merger whose records this layer was bound to; kept in ``merger``.
         collective : tuple
-            ``(start, wait, request, flag)``: the addresses of ``MPI_Start`` and
-            ``MPI_Wait``, of the handle of the merger's persistent all-reduce (over
-            the records and the flag record after them), and of the float32 flag
-            record's ``m``; the first three None with one rank (no collective).
+            ``(finalized, start, wait, request, flag)``: the addresses of
+            ``MPI_Finalized``, ``MPI_Start`` and ``MPI_Wait``, of the handle of the
+            merger's persistent all-reduce (over the records and the flag record
+            after them), and of the float32 flag record's ``m``; start, wait and
+            request None with one rank (no collective).
         """
         call = self.call
-        call.start, call.wait, call.request, call.flag = collective
+        call.finalized, call.start, call.wait, call.request, call.flag = collective
         self.merger = merger
-
-    def step(self, out):
-        """Run the kernel, the bound merge and, unless a rank failed, the output.
-
-        Parameters
-        ----------
-        out : int
-            Address of the float32 ``(B, Sq, Hq, D)`` output.
-
-        Returns
-        -------
-        int
-            0: ``out`` written; 1: some rank's flag says it failed (``out``
-            untouched); 2: an MPI call failed with the code in
-            ``call.mpi_error``; 3: no merge is bound (nothing ran).
-        """
-        return self._step(self._ref, out)
 
 
 def read_seconds(x):

@@ -47,6 +47,7 @@ class LayerArgs(ctypes.Structure):
         ("rec", ctypes.c_void_p),
         ("scratch", ctypes.c_void_p),
         ("args", AttnArgs),
+        ("finalized", ctypes.c_void_p),
         ("start", ctypes.c_void_p),
         ("wait", ctypes.c_void_p),
         ("request", ctypes.c_void_p),

@@ -19,6 +19,7 @@ from ._guard import raise_failure
 from ._invariant_merger import InvariantMerger
 from ._namespace import namespace
 from ._options import INVARIANT
+from ._runtime import FINALIZED, check_mpi_usable
 from ._state import empty_records
 from ._strategies import REGISTRY, free_requests
 
@@ -135,16 +136,20 @@ class Merger:
         ------
         Exception
             On every rank when any rank's local work failed (its flag rode the
-            merge); ``mpi4py.MPI.Exception`` where an MPI call returned an error.
+            merge); ``mpi4py.MPI.Exception`` where an MPI call returned an error;
+            ``RuntimeError`` once MPI is finalized (the one call asks first).
         """
         code = self._impl.reduce_bound(bound, out) if bound.merger is self else None
         if code is None:  # unbound, or freed: the general path (as a merge after free runs)
+            check_mpi_usable()  # the one call asks MPI_Finalized; so must its replacement
             self.merge(bound)
             bound.finish(out)
         elif code == 1:
             raise_failure(self.comm, None)
         elif code == 2:
             raise MPI.Exception(bound.call.mpi_error)
+        elif code == 4:
+            raise RuntimeError(FINALIZED)
 
     def free(self):
         """Release the merger's MPI resources now (otherwise when it is collected)."""

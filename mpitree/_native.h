@@ -59,6 +59,7 @@ typedef struct {
     float *scratch;     /* bound: mpitree_attend_scratch(G * Sq, D) floats */
     mpitree_attn_args args;
     /* bound by BoundLayer.bind_merge: the merge's persistent all-reduce, run from here */
+    int (*finalized)(int *flag);               /* MPI_Finalized: checked first, every step */
     int (*start)(void *request);               /* MPI_Start, or NULL: one rank, no collective */
     int (*wait)(void *request, void *status);  /* MPI_Wait */
     void *request;                             /* the address of the request's handle */

@@ -45,15 +45,19 @@ static int64_t now_ns(void)
 /*
  * The whole step: the kernel into the records, this rank's flag (no failure: nothing
  * here fails), the bound all-reduce, then the output into out unless some rank failed.
- * Returns 0 (out written), 1 (a rank's flag says it failed: out untouched), 2 (an MPI
- * call returned the error code left in l->mpi_error) or 3 (no merge is bound: nothing ran).
+ * MPI_Finalized comes first: after MPI_Finalize no other MPI call may run, and the
+ * caller (mpitree/_guard.py's lane) has not asked. Returns 0 (out written), 1 (a rank's
+ * flag says it failed: out untouched), 2 (an MPI call returned the error code left in
+ * l->mpi_error), 3 (no merge is bound: nothing ran) or 4 (MPI is finalized: nothing ran).
  */
 int mpitree_layer_step_f32(mpitree_layer *l, float *out)
 {
-    int err = 0;
+    int err = 0, done = 1;
     int64_t t0, t1;
-    if (l->flag == NULL)
+    if (l->flag == NULL || l->finalized == NULL)
         return 3;
+    if (l->finalized(&done) != 0 || done)
+        return 4;
     t0 = l->timed ? now_ns() : 0;
     mpitree_layer_attend_f32(l);
     t1 = l->timed ? now_ns() : 0;

@@ -13,6 +13,10 @@ _default_comm = None
 _blas_threads = None  # threads set so far in this process, or None
 _request_calls = False  # not looked up yet
 _initialized = False  # MPI was seen initialized
+FINALIZED = (
+    "mpitree: MPI has been finalized (MPI.Finalize() was called), and no MPI call may "
+    "follow it; decode before finalizing, or let mpi4py finalize at exit"
+)
 
 
 def check_mpi_usable():
@@ -23,10 +27,7 @@ def check_mpi_usable():
     """
     global _initialized
     if MPI.Is_finalized():
-        raise RuntimeError(
-            "mpitree: MPI has been finalized (MPI.Finalize() was called), and no MPI call "
-            "may follow it; decode before finalizing, or let mpi4py finalize at exit"
-        )
+        raise RuntimeError(FINALIZED)
     if not _initialized:  # once initialized, MPI stays so (finalized is checked above)
         if not MPI.Is_initialized():
             raise RuntimeError(
@@ -137,14 +138,14 @@ def _address(lib, name):
 
 
 def request_calls(status_bytes):
-    """Return the addresses of ``MPI_Start`` and ``MPI_Wait`` of the MPI that mpi4py loaded.
+    """Return the addresses of ``MPI_Start``, ``MPI_Wait`` and ``MPI_Finalized``.
 
-    Both take pointers only (to a request's handle, to a status), so a compiled
-    caller needs no ``mpi.h``. They are looked up, once, in the libraries
-    mpi4py's extension module loaded; but where the process's global scope
-    holds that same MPI library (its ``PMPI_Start`` is the same), there, so
-    that a profiling tool preloaded over ``MPI_Start`` sees these calls as it
-    sees mpi4py's.
+    All three take pointers only (to a request's handle, to a status, to an
+    int), so a compiled caller needs no ``mpi.h``. They are looked up, once, in
+    the libraries mpi4py's extension module loaded; but where the process's
+    global scope holds that same MPI library (its ``PMPI_Start`` is the same),
+    there, so that a profiling tool preloaded over ``MPI_Start`` sees these calls
+    as it sees mpi4py's.
 
     Parameters
     ----------
@@ -154,8 +155,8 @@ def request_calls(status_bytes):
     Returns
     -------
     tuple of int or None
-        ``(MPI_Start, MPI_Wait)``; None where they are not found or an
-        ``MPI_Status`` needs more than ``status_bytes``.
+        ``(MPI_Start, MPI_Wait, MPI_Finalized)``; None where they are not found
+        or an ``MPI_Status`` needs more than ``status_bytes``.
     """
     global _request_calls
     if _request_calls is False:
@@ -165,7 +166,7 @@ def request_calls(status_bytes):
             pmpi = _address(mpi4py_scope, "PMPI_Start")
             same = pmpi is not None and _address(global_scope, "PMPI_Start") == pmpi
             scope = global_scope if same else mpi4py_scope
-            found = (_address(scope, "MPI_Start"), _address(scope, "MPI_Wait"))
+            found = tuple(_address(scope, f"MPI_{name}") for name in ("Start", "Wait", "Finalized"))
         except OSError:
             pass
         ok = found is not None and None not in found

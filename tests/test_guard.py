@@ -102,6 +102,51 @@ def test_every_entry_point_raises_after_finalize():
     assert "Attempting to use an MPI routine" not in res.stderr
 
 
+LANE_AFTER_FINALIZE = """
+import torch
+import mpitree.adapters.transformers as mtt
+from models import tiny_llama
+from mpi4py import MPI
+
+model = tiny_llama(layers=2)
+model.set_attn_implementation("mpitree")
+cache = mtt.ShardedCache(model.config, block_size=4)  # every rank holds keys
+ids = torch.ones(1, 24, dtype=torch.long)
+mtt.prefill(model, ids, cache)
+with torch.no_grad():
+    for _ in range(2):  # every layer binds its one compiled call
+        model(ids[:, -1:], cache=cache)
+one_call = MPI.COMM_WORLD.size == 1 or "open mpi" not in MPI.Get_library_version().lower()
+fused = all(layer.fast is not None and layer.fast.fused == one_call for layer in cache.layers)
+# after layer 0's merge, before layer 1's attention, which runs in the entry point's lane
+model.model.layers[1].self_attn.register_forward_pre_hook(lambda *a: MPI.Finalize())
+try:
+    with torch.no_grad():
+        model(ids[:, -1:], cache=cache)
+except RuntimeError as exc:
+    line = f"raised {exc}"
+else:
+    line = "ran"
+import sys
+sys.stdout.write(f"fused as MPI allows: {fused}; {line}\\n")  # one write per rank
+sys.stdout.flush()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_a_later_layer_in_the_lane_raises_after_finalize(nprocs):
+    """A step's later layer runs its one compiled call before the guard (the entry
+    point's lane): that call asks MPI_Finalized itself, so MPI finalized mid-step
+    raises there too, and does not abort (nor, with one rank, compute on)."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    res = run(nprocs, [sys.executable, "-c", LANE_AFTER_FINALIZE], env={"PYTHONPATH": path})
+    assert res.returncode == 0, res.stdout + res.stderr
+    want = "fused as MPI allows: True; raised mpitree: MPI has been finalized"
+    assert res.stdout.count(want) == nprocs, res.stdout
+    assert "Attempting to use an MPI routine" not in res.stderr
+
+
 ROOT = Path(__file__).resolve().parent.parent
 # the recipe's steps after the agreement, and the op it needs before: only these modules
 # call them (the helper, Call's default op, and where they are defined)

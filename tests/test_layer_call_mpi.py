@@ -1,9 +1,12 @@
-"""A decode layer's one compiled call each side of its merge (``_attention._fast_attention``).
+"""A decode layer's one compiled call (``_attention._bound_step``), guarded or in its lane.
 
 Once a layer's checked step has succeeded, later steps that repeat its layout run
-the bound kernel inside the merge and write the output in one call each. These
-tests hold that path to the checked one bit for bit, and to its guarantees: a rank
-that diverges raises on every rank, NaN stays NaN, copies and crops stay exact.
+the bound kernel, the merge and the output in one compiled call (or, where the
+merge is not one persistent all-reduce, the kernel inside the merge, then the
+output). A step's later layers take it in the entry point's lane, before the
+guard. These tests hold that path to the checked one bit for bit, and to its
+guarantees: a rank that diverges raises on every rank, NaN stays NaN, copies and
+crops stay exact, MPI finalized raises.
 """
 
 import copy
@@ -15,19 +18,33 @@ from helpers import world
 from models import greedy, prompt, tiny_llama
 from mpitree.adapters.transformers import _attention
 
-from mpitree import _kernel, _merger, extend
+from mpitree import _guard, _kernel, _merger, extend
 from mpitree._strategies import allreduce
 from mpitree.extend import RankError
 
 NEW_TOKENS = 8
 
 
-def counting(monkeypatch):
-    """Count the one-call path's kernel runs (inside the merge, or the whole step in one call)."""
+def counting(monkeypatch, cache=None):
+    """Count the one-call path's kernel runs (inside the merge, or the whole step in one call).
+
+    A bound step is the compiled function itself (``BoundLayer.step``, an instance
+    attribute): those bound from now on are counted, and those of ``cache``'s layers.
+    """
     runs = []
-    fill, step = _kernel.BoundLayer.fill, _kernel.BoundLayer.step
+    fill, bind = _kernel.BoundLayer.fill, _kernel.BoundLayer.bind_merge
+
+    def count(bound):
+        step = bound.step
+        monkeypatch.setattr(bound, "step", lambda out: runs.append(2) or step(out))
+
     monkeypatch.setattr(_kernel.BoundLayer, "fill", lambda self, r: runs.append(1) or fill(self, r))
-    monkeypatch.setattr(_kernel.BoundLayer, "step", lambda self, o: runs.append(2) or step(self, o))
+    monkeypatch.setattr(
+        _kernel.BoundLayer, "bind_merge", lambda self, *a: bind(self, *a) or count(self)
+    )
+    for layer in cache.layers if cache is not None else ():
+        if layer.fast is not None and layer.fast.bound.merger is not None:
+            count(layer.fast.bound)
     return runs
 
 
@@ -95,7 +112,7 @@ def test_one_call_path_gives_the_checked_paths_bits(monkeypatch, placement, padd
     assert set(runs) == {2 if one_call else 1}, set(runs)
     assert torch.equal(tokens, ref.sequences)
     with monkeypatch.context() as checked:
-        checked.setattr(_attention, "_fast_attention", lambda *a: None)
+        checked.setattr(_attention, "_bound_step", lambda *a, **k: None)
         again = prefilled(model, ids, mask, placement)
         tokens2, logits2 = decode(model, ids, mask, again, NEW_TOKENS)
     assert torch.equal(tokens2, tokens) and torch.equal(logits2, logits)
@@ -116,7 +133,7 @@ def test_copied_and_cropped_caches_decode_as_the_original(monkeypatch):
     _, b = decode(model, tokens, None, twin, 3)
     assert torch.equal(a, b)
     cache.crop(-3)  # back to `tokens` but its last: the next steps overwrite the dropped room
-    runs = counting(monkeypatch)
+    runs = counting(monkeypatch, cache)
     _, c = decode(model, tokens, None, cache, 3)
     assert torch.equal(c, a) and runs
 
@@ -131,11 +148,31 @@ def test_decode_steps_build_nothing_and_share_one_merger(monkeypatch):
     for cls in (_merger.Merger, _kernel.BoundLayer):
         real = cls.__init__
         monkeypatch.setattr(cls, "__init__", lambda *a, real=real: built.append(a) or real(*a))
-    runs = counting(monkeypatch)
+    runs = counting(monkeypatch, cache)
     decode(model, tokens, None, cache, 4)
     assert not built and len(runs) == 4 * 3, (built, len(runs))  # one call per layer and step
     assert len(mergers) == 1 and {id(layer.fast.merger) for layer in cache.layers} == mergers
     assert [layer.fast.merger.records.ctypes.data for layer in cache.layers] == buffers
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_a_steps_later_layers_run_in_the_lane_past_the_guard(monkeypatch):
+    """Bound in one compiled call, a step's later layers run in the entry point's lane:
+    only its first layer enters the guard. Otherwise (Open MPI's blocking all-reduce at
+    p > 1) every layer does, with the same bits either way."""
+    model, cache, tokens = decoding(3)
+    twin = copy.deepcopy(cache)
+    entered, real = [], _guard.check_mpi_usable
+    with monkeypatch.context() as patch:
+        patch.setattr(_guard, "check_mpi_usable", lambda: entered.append(1) or real())
+        runs = counting(patch, cache)
+        _, got = decode(model, tokens, None, cache, 4)
+    one_call = world().size == 1 or allreduce._PERSISTENT_OK
+    assert all(layer.fast.fused == one_call for layer in cache.layers)
+    assert len(runs) == 4 * 3 and len(entered) == (4 if one_call else 4 * 3), (runs, entered)
+    monkeypatch.setattr(_attention, "_bound_step", lambda *a, **k: None)  # the checked path
+    _, want = decode(model, tokens, None, twin, 4)
+    assert torch.equal(got, want)
 
 
 STEPS = 6  # one token a step, blocks of 2: at p = 3 the last rank's keys start at step 4
@@ -195,7 +232,7 @@ def test_the_one_call_path_leaves_a_prompt_to_the_checked_path(monkeypatch):
     fast = steps()
     ran = len(runs)
     with monkeypatch.context() as checked:
-        checked.setattr(_attention, "_fast_attention", lambda *a: None)
+        checked.setattr(_attention, "_bound_step", lambda *a, **k: None)
         slow = steps()
     assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
     counts = world().allgather(ran)
@@ -246,7 +283,7 @@ def test_nan_in_the_query_stays_nan_on_the_one_call_path(monkeypatch):
     out = by_hand(q_of)[0][-1]  # (B, Sq, Hq, D)
     assert runs
     assert torch.isnan(out[0, 0, 1]).all() and torch.isfinite(out[0, 0, [0, 2, 3]]).all()
-    monkeypatch.setattr(_attention, "_fast_attention", lambda *a: None)
+    monkeypatch.setattr(_attention, "_bound_step", lambda *a, **k: None)
     checked = by_hand(q_of)[0][-1]
     torch.testing.assert_close(out, checked, rtol=0, atol=0, equal_nan=True)
 
@@ -260,7 +297,7 @@ def test_a_nan_key_poisons_its_heads_on_every_rank_on_the_one_call_path(monkeypa
     assert runs
     for out in outs[2:]:  # (B, Sq, Hq, D): heads 0 and 1 read kv head 0
         assert torch.isnan(out[0, 0, :2]).all() and torch.isfinite(out[0, 0, 2:]).all()
-    monkeypatch.setattr(_attention, "_fast_attention", lambda *a: None)
+    monkeypatch.setattr(_attention, "_bound_step", lambda *a, **k: None)
     checked, _ = by_hand(lambda step, layer: q, nan_at=1)
     for a, b in zip(outs, checked, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
@@ -322,7 +359,7 @@ def test_garbage_in_spare_room_and_padding_keys_contributes_nothing(monkeypatch,
 def test_phase_times_splits_the_one_call_step_into_its_phases(monkeypatch):
     """Timed, a layer's one compiled call counts one merge, one kernel and one collective."""
     model, cache, tokens = decoding(3)
-    runs = counting(monkeypatch)
+    runs = counting(monkeypatch, cache)
     with extend.phase_times() as times:
         decode(model, tokens, None, cache, 3)
     assert len(runs) == 3 * 3, runs

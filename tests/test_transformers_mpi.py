@@ -584,12 +584,20 @@ def test_decode_layers_reuse_their_bound_kernel_arguments(monkeypatch):
     from mpitree import _kernel
 
     binds, runs = [], []
-    real_of, real_fill, real_step = (getattr(_kernel.BoundLayer, n) for n in ("of", "fill", "step"))
+    real_of, real_fill, real_bind = (
+        getattr(_kernel.BoundLayer, n) for n in ("of", "fill", "bind_merge")
+    )
     bind = lambda *a, **k: binds.append(1) or real_of(*a, **k)  # noqa: E731
     monkeypatch.setattr(_kernel.BoundLayer, "of", bind)
     # the kernel inside the merge, or the layer's whole step in one call (MPI allowing)
     monkeypatch.setattr(_kernel.BoundLayer, "fill", lambda *a: runs.append(1) or real_fill(*a))
-    monkeypatch.setattr(_kernel.BoundLayer, "step", lambda *a: runs.append(2) or real_step(*a))
+
+    def bind_merge(self, *a):  # the bound step is the compiled function, set on the instance
+        real_bind(self, *a)
+        step = self.step
+        self.step = lambda out: runs.append(2) or step(out)
+
+    monkeypatch.setattr(_kernel.BoundLayer, "bind_merge", bind_merge)
     model = tiny_llama()
     ids, _ = prompt(30, False)
     ref = generate(model, ids, None, "eager")

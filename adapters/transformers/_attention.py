@@ -12,7 +12,7 @@ from transformers.masking_utils import causal_mask_function, prepare_padding_mas
 
 from mpitree import extend
 
-from ._cache import foreign_shard, take_view
+from ._cache import drop_view, foreign_shard, peek_view, take_view
 from ._prefill import reserve, sharded_attention
 
 
@@ -681,32 +681,37 @@ def _rebind(view, query, key, value, scaling, signature, agreed):
         view.layer.fast = _bind(view, query, key, value, scaling, signature, agreed)
 
 
-def _fast_attention(view, query, key, value, mask, scaling, agreed):
-    """Run a decode layer's kernel, merge and output in one compiled call; None: not here.
+def _bound_step(view, query, key, value, mask, scaling, lane=False):
+    """Run the layer's bound step (:class:`LayerFast`) if this call repeats what it was bound for.
 
-    Applies when the layer's :class:`LayerFast` is bound and this call repeats what
-    it was bound for: the step's signature is the dict it was checked under, K/V
+    It does when the step's signature is the dict the layer was checked under, K/V
     are its buffers, the query has the same shape and strides, the mask and the
-    shard are the step's. Everything a later layer's signature holds it to then
-    holds, so it runs the bound kernel, the merge (whose flag carries no failure:
-    nothing here raises) and the output, in one compiled call where the merge is
-    one persistent all-reduce (``LayerFast.fused``), else the kernel inside the
-    merge, then the output. Otherwise the checked path runs. Never raises before
-    the merge.
+    shard are the step's (:class:`StepFast`, ``view.step.fast``). Everything a
+    later layer's signature holds it to then holds, so it runs the bound kernel,
+    the merge (whose flag carries no failure: nothing here raises) and the
+    output: in one compiled call where the merge is one persistent all-reduce
+    (``LayerFast.fused``), else the kernel inside the merge, then the output.
+
+    Returns the ``(B, Sq, Hq, D)`` float32 output, or None (nothing ran). With
+    ``lane`` (:func:`_one_call`, outside the guard) it runs only the one compiled
+    call, and takes the update's view from its slot. Never raises before the merge.
     """
-    fast, layer = view.layer.fast, view.layer
-    if fast is None or fast.signature is not agreed.signature or fast.merger is not agreed.merger:
+    layer, agreed = view.layer, view.step
+    fast, step = layer.fast, agreed.fast
+    if (
+        fast is None
+        or not step
+        or fast.signature is not agreed.signature
+        or fast.merger is not agreed.merger
+        or mask is not step.mask
+        or view.error is not None
+        or (lane and not fast.fused)
+    ):
         return None
-    step = agreed.fast
-    if step is None:
-        step = agreed.fast = _step_fast(agreed, view, mask, query)
     buffers = layer._buffers
     if (
-        step is False
-        or mask is not step.mask
-        or key is not buffers[3]
+        key is not buffers[3]
         or value is not buffers[4]
-        or view.error is not None
         or layer.length != step.length
         or key.shape[2] != step.t
         or (fast.rows is not None and extend.KernelSlot.prompt(*fast.rows, step.t))
@@ -719,6 +724,8 @@ def _fast_attention(view, query, key, value, mask, scaling, agreed):
         or torch.is_grad_enabled()
     ):
         return None
+    if lane:
+        drop_view()  # the call takes the update's view, as the guarded call does
     bound = fast.bound
     call = bound.call
     call.q, call.t = query.data_ptr(), step.t
@@ -726,14 +733,42 @@ def _fast_attention(view, query, key, value, mask, scaling, agreed):
         call.vis, call.vis_heads, fast.vis = step.vis, step.vis_heads, step.vis
     out, address = step.output(fast.out_shape, layer.sharding.layers)
     if fast.fused:
-        agreed.merger.merge_layer(bound, address)
+        fast.merger.merge_layer(bound, address)
     else:
-        agreed.merger.merge(bound)
+        fast.merger.merge(bound)
         bound.finish(address)
     return out
 
 
-@extend.entry_point
+def _fast_attention(view, query, key, value, mask, scaling):
+    """Under the guard: :func:`_bound_step`, the step's first call computing ``view.step.fast``.
+
+    That is what the step's layers share, from the visibility its agreement
+    computed. Never raises before the merge.
+    """
+    agreed = view.step
+    if agreed.fast is None and view.layer.fast is not None:
+        agreed.fast = _step_fast(agreed, view, mask, query)
+    return _bound_step(view, query, key, value, mask, scaling)
+
+
+def _one_call(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+    """:func:`attention_interface`'s lane: a later decode layer's one compiled call, or None.
+
+    It runs where the step's agreement already ran (in its first layer), the
+    layer's bound step applies (:func:`_bound_step`) and its merge is one
+    compiled call, which asks ``MPI_Finalized`` before any other MPI call (where
+    the merger was freed since, :meth:`extend.Merger.merge_layer` checks MPI
+    first). Otherwise it returns None, and the guarded call runs instead.
+    """
+    view = peek_view(key)
+    if view is None or not view.step.fast or _unsupported(attention_mask, dropout, kw):
+        return None
+    out = _bound_step(view, query, key, value, attention_mask, scaling, lane=True)
+    return None if out is None else (out, None)
+
+
+@extend.entry_point(lane=_one_call)
 def attention_interface(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
     """Attend over every rank's shard (transformers' ``AttentionInterface`` entry).
 
@@ -797,7 +832,7 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
         except Exception:
             view.layer.rollback(view)  # a failed step leaves the cache as it was
             raise
-    out = _fast_attention(view, query, key, value, attention_mask, scaling, agreed)
+    out = _fast_attention(view, query, key, value, attention_mask, scaling)
     if out is not None:
         return out, None
     if signature is None:

@@ -261,18 +261,28 @@ def foreign_shard(key):
     return None
 
 
-def take_view(key):
-    """Return the :class:`View` of the update that returned ``key``, or None; clear the slot.
+def peek_view(key):
+    """Return the :class:`View` of the update that returned ``key``, or None; keep the slot.
 
     transformers calls a layer's attention with exactly the tensors its cache update
     returned, so a ShardedCache step is recognised by identity: nothing is attached
     to the tensors (they pickle and save like any tensor, and keep no layer alive).
     """
     view = getattr(_handoff, "view", None)
-    if view is None or view.keys is not key:
-        return None
-    _handoff.view = None
+    return view if view is not None and view.keys is key else None
+
+
+def take_view(key):
+    """Return :func:`peek_view`'s view, or None; clear the slot (an attention call takes it)."""
+    view = peek_view(key)
+    if view is not None:
+        drop_view()
     return view
+
+
+def drop_view():
+    """Clear the slot: the attention call took the view :func:`peek_view` returned."""
+    _handoff.view = None
 
 
 def _prefix_of(x, buffer):

@@ -43,19 +43,23 @@ class Allreduce(Strategy):
                 self._request = None
 
     def bound_collective(self):
-        """Return ``(MPI_Start, MPI_Wait, request, flag)`` addresses for a compiled step, or None.
+        """Return ``(MPI_Finalized, MPI_Start, MPI_Wait, request, flag)`` addresses, or None.
 
-        The step starts and waits on the persistent request itself: both calls
-        take pointers only. A blocking all-reduce is not handed over (its
-        handles' ABI differs between MPIs). With one rank: no collective.
+        For a compiled step, which asks ``MPI_Finalized`` first, then starts and
+        waits on the persistent request itself: all three take pointers only. A
+        blocking all-reduce is not handed over (its handles' ABI differs between
+        MPIs). With one rank: no collective (start, wait and request None).
         """
         flag = self._flag.ctypes.data
-        if not self._many:
-            return None, None, None, flag
-        calls = None if self._request is None else request_calls(STATUS_WORDS * 8)
+        if self._many and self._request is None:
+            return None
+        calls = request_calls(STATUS_WORDS * 8)
         if calls is None:
             return None
-        return (*calls, MPI._addressof(self._request), flag)
+        start, wait, finalized = calls
+        if not self._many:
+            return finalized, None, None, None, flag
+        return finalized, start, wait, MPI._addressof(self._request), flag
 
     def reduce_bound(self, bound, out):
         """Run a layer bound to :meth:`bound_collective`; return its code (None: freed)."""
