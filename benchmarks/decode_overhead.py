@@ -19,6 +19,13 @@ compiled call off (the kernel inside the merge, then finishing: two C calls and
 the merge's Python around its collective), interleaved, and a second table
 gives that path's breakdown.
 
+With ``--c-timers``, every step also runs with one timer around each attention call
+and none inside (phase_times's own timers cost several microseconds a layer): a later
+layer's call is split by the one compiled call's own clock into its kernel, its
+collective and the rest, the overhead. It runs twice, interleaved: as the model calls
+it (a step's later layers in the entry point's lane, before the guard) and with every
+layer through the guard.
+
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/decode_overhead.py --context 2048
 """
 
@@ -144,7 +151,9 @@ def main():
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MIN)
         TIMES[NOW[0]]["bare collective"].append(time.perf_counter() - start)
 
+    registry = dict(extend.ENTRY_POINTS)
     guarded = extend.entry_point(timed_call.__wrapped__.__wrapped__)  # no lane
+    extend.ENTRY_POINTS.update(registry)  # the registry keeps the model's own entry point
 
     def c_timed_step(keep, clocks, attention):
         """One step with only the outer timer; later layers read the one call's own clock."""

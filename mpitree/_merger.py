@@ -150,6 +150,8 @@ class Merger:
             raise MPI.Exception(bound.call.mpi_error)
         elif code == 4:
             raise RuntimeError(FINALIZED)
+        elif code:  # 3: bound to this merger, yet its struct holds no flag or MPI_Finalized
+            raise RuntimeError(f"mpitree internal error: a bound layer's step returned {code}")
 
     def free(self):
         """Release the merger's MPI resources now (otherwise when it is collected)."""

@@ -379,7 +379,7 @@ class Torch:
 
     def to_numpy(self, x):
         """``x`` as a host numpy array (shared with a CPU tensor where possible)."""
-        x = x.detach()
+        x = x.detach().resolve_neg().resolve_conj()  # a lazily negated view: its values
         if x.device.type != "cpu":
             x = x.cpu()
         if x.dtype == self.t.bfloat16:

@@ -46,7 +46,8 @@ static int64_t now_ns(void)
  * The whole step: the kernel into the records, this rank's flag (no failure: nothing
  * here fails), the bound all-reduce, then the output into out unless some rank failed.
  * MPI_Finalized comes first: after MPI_Finalize no other MPI call may run, and the
- * caller (mpitree/_guard.py's lane) has not asked. Returns 0 (out written), 1 (a rank's
+ * caller may not have asked (a step's later layer runs in its entry point's lane,
+ * mpitree/_guard.py, before the guard). Returns 0 (out written), 1 (a rank's
  * flag says it failed: out untouched), 2 (an MPI call returned the error code left in
  * l->mpi_error), 3 (no merge is bound: nothing ran) or 4 (MPI is finalized: nothing ran).
  */

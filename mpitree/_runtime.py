@@ -1,4 +1,4 @@
-"""Process-wide runtime: the library-private communicator, BLAS threads, MPI_Start/MPI_Wait."""
+"""Process-wide runtime: the private communicator, BLAS threads, MPI's window, MPI calls."""
 
 import atexit
 import ctypes
@@ -11,7 +11,7 @@ _THREADS_ENV = "MPITREE_BLAS_THREADS"
 _lock = threading.Lock()
 _default_comm = None
 _blas_threads = None  # threads set so far in this process, or None
-_request_calls = False  # not looked up yet
+_mpi_calls = False  # not looked up yet
 _initialized = False  # MPI was seen initialized
 FINALIZED = (
     "mpitree: MPI has been finalized (MPI.Finalize() was called), and no MPI call may "
@@ -137,7 +137,7 @@ def _address(lib, name):
         return None
 
 
-def request_calls(status_bytes):
+def mpi_calls(status_bytes=None):
     """Return the addresses of ``MPI_Start``, ``MPI_Wait`` and ``MPI_Finalized``.
 
     All three take pointers only (to a request's handle, to a status, to an
@@ -149,8 +149,9 @@ def request_calls(status_bytes):
 
     Parameters
     ----------
-    status_bytes : int
-        The room the caller has for an ``MPI_Status``.
+    status_bytes : int, optional
+        The room the caller has for an ``MPI_Status`` (None: it calls no
+        ``MPI_Wait``).
 
     Returns
     -------
@@ -158,8 +159,8 @@ def request_calls(status_bytes):
         ``(MPI_Start, MPI_Wait, MPI_Finalized)``; None where they are not found
         or an ``MPI_Status`` needs more than ``status_bytes``.
     """
-    global _request_calls
-    if _request_calls is False:
+    global _mpi_calls
+    if _mpi_calls is False:
         found = None
         try:
             mpi4py_scope, global_scope = ctypes.CDLL(MPI.__file__), ctypes.CDLL(None)
@@ -170,7 +171,7 @@ def request_calls(status_bytes):
         except OSError:
             pass
         ok = found is not None and None not in found
-        _request_calls = (found, MPI._sizeof(MPI.Status)) if ok else None
-    if _request_calls is None or _request_calls[1] > status_bytes:
+        _mpi_calls = (found, MPI._sizeof(MPI.Status)) if ok else None
+    if _mpi_calls is None or (status_bytes is not None and _mpi_calls[1] > status_bytes):
         return None
-    return _request_calls[0]
+    return _mpi_calls[0]

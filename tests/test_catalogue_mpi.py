@@ -394,6 +394,22 @@ def attention_cases():
         "later layer: key dtype": lambda bad: later_layer(bad, lambda k, v: (k.double(), v)),
         "later layer: value head dim": lambda bad: later_layer(bad, lambda k, v: (k, v[..., :8])),
         "later layer: value heads": lambda bad: later_layer(bad, lambda k, v: (k, v[:, :1])),
+        # a bound later layer runs in the entry point's lane, before the guard
+        "bound later layer: scaling an array": lambda bad: bound_later_layer(
+            bad, scaling=np.array([0.25, 0.25])
+        ),
+        "bound later layer: dropout a tensor": lambda bad: bound_later_layer(
+            bad, dropout=torch.tensor([0.0, 0.0])
+        ),
+        "bound later layer: attention sinks": lambda bad: bound_later_layer(
+            bad, s_aux=torch.zeros(4)
+        ),
+        "bound later layer: query a numpy array": lambda bad: bound_later_layer(
+            bad, query=lambda q: q.numpy()
+        ),
+        "bound later layer: query float64": lambda bad: bound_later_layer(
+            bad, query=lambda q: q.double()
+        ),
     }
 
 
@@ -414,6 +430,27 @@ def later_layer(bad, change):
         keys, values = cache.update(k, v, layer)
         with torch.no_grad():
             mtt.attention_interface(None, q, keys, values, None)
+
+
+def bound_later_layer(bad, query=None, **kw):
+    """Steps by hand over two layers, bound to their one compiled call from the second
+    step on; in the last, the bad rank's second layer gets other arguments.
+
+    That layer would run in the entry point's lane, before the guard: whatever it is
+    given, the lane must decline without raising, so the guard reports it.
+    """
+    torch.manual_seed(0)
+    cache = mtt.ShardedCache(model().config, block_size=1)  # every rank holds keys
+    q = torch.randn(2, 4, 1, 16)
+    steps = world().size + 2
+    for step in range(steps):
+        for layer in range(2):
+            k, v = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
+            keys, values = cache.update(k, v, layer)
+            odd = bad and step == steps - 1 and layer == 1
+            args = (query(q) if odd and query is not None else q, keys, values, None)
+            with torch.no_grad():
+                mtt.attention_interface(None, *args, **(kw if odd else {}))
 
 
 def torn_blocks(bad):

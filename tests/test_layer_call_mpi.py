@@ -288,6 +288,19 @@ def test_nan_in_the_query_stays_nan_on_the_one_call_path(monkeypatch):
     torch.testing.assert_close(out, checked, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parallel(nprocs=[1, 2])
+def test_a_query_with_the_negative_bit_is_read_by_its_values():
+    """A later layer's query viewed with torch's negative bit (negated lazily) leaves the
+    bound step to the checked path, which reads its values: the plain query's bits."""
+    q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(1))
+    lazy = torch._neg_view(-q)
+    assert lazy.is_neg() and torch.equal(lazy, q)
+    want, _ = by_hand(lambda step, layer: q)
+    got, _ = by_hand(lambda step, layer: lazy if layer == 1 else q)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parallel(nprocs=[1, 2, 3])
 def test_a_nan_key_poisons_its_heads_on_every_rank_on_the_one_call_path(monkeypatch):
     """A NaN in one visible key of kv head 0: its query heads NaN on every rank, others not."""

@@ -192,8 +192,18 @@ class Recipe:
 def _recipe(query, key, value, scaling, sharding, sharded):
     """Return the layer's :class:`Recipe`: the cache's last one while its facts repeat.
 
-    Never raises (it runs outside the guard on the ranks of a layer after the first).
+    Never raises: it runs outside the guard (before a step's agreement, and in a
+    layer after the first). Inputs whose facts cannot be read (not tensors) give a
+    recipe that names just that; the checks then raise, inside the guard.
     """
+    try:
+        return _read_recipe(query, key, value, scaling, sharding, sharded)
+    except Exception:  # the checks raise it again, inside the guard
+        return Recipe(None, {"inputs": "unreadable"})
+
+
+def _read_recipe(query, key, value, scaling, sharding, sharded):
+    """:func:`_recipe`, raising where the inputs' facts cannot be read."""
     if (
         sharding is None
         or sharding.invariant
@@ -258,7 +268,7 @@ def _new_signature(query, key, value, scaling, sharding, sharded):
             key.shape[2:3] == value.shape[2:3],
             query.device == key.device == value.device,
         ),
-        "scaling": None if scaling is None else float(scaling),
+        "scaling": _scaling_fact(scaling),
         "strategy": None if sharding is None else sharding.strategy,
         "deterministic": None if sharding is None else sharding.deterministic,
         "placement": None if sharding is None else sharding.placement,
@@ -431,6 +441,19 @@ def _refeed_error(view, positions):
         "mask[:, :-1]) then generate(input_ids, attention_mask=mask, cache=cache), "
         "or append the next token (prefill's logits) to input_ids"
     )
+
+
+def _scaling_fact(scaling):
+    """Return the scaling as a signature holds it: None, a float, or its type's name.
+
+    Never raises: a scaling that is not a number is the checks' to reject, inside the guard.
+    """
+    if scaling is None:
+        return None
+    try:
+        return float(scaling)
+    except Exception:  # whatever float() raises, the checks raise it later
+        return type(scaling).__name__
 
 
 def _agree_step(sharding, view, query, key, value, mask, scaling, recipe, positions):
@@ -694,7 +717,9 @@ def _bound_step(view, query, key, value, mask, scaling, lane=False):
 
     Returns the ``(B, Sq, Hq, D)`` float32 output, or None (nothing ran). With
     ``lane`` (:func:`_one_call`, outside the guard) it runs only the one compiled
-    call, and takes the update's view from its slot. Never raises before the merge.
+    call, and takes the update's view from its slot. Never raises before the merge,
+    whatever the arguments (a query that is not exactly a ``torch.Tensor``, or a
+    scaling other than the bound float or None, takes the checked path).
     """
     layer, agreed = view.layer, view.step
     fast, step = layer.fast, agreed.fast
@@ -712,6 +737,7 @@ def _bound_step(view, query, key, value, mask, scaling, lane=False):
     if (
         key is not buffers[3]
         or value is not buffers[4]
+        or type(query) is not torch.Tensor
         or layer.length != step.length
         or key.shape[2] != step.t
         or (fast.rows is not None and extend.KernelSlot.prompt(*fast.rows, step.t))
@@ -720,7 +746,7 @@ def _bound_step(view, query, key, value, mask, scaling, lane=False):
         or query.dtype != torch.float32
         or not query.is_cpu
         or query.is_neg()
-        or scaling != fast.scaling
+        or (scaling is not fast.scaling and (type(scaling) is not float or scaling != fast.scaling))
         or torch.is_grad_enabled()
     ):
         return None
@@ -762,7 +788,7 @@ def _one_call(module, query, key, value, attention_mask, scaling=None, dropout=0
     first). Otherwise it returns None, and the guarded call runs instead.
     """
     view = peek_view(key)
-    if view is None or not view.step.fast or _unsupported(attention_mask, dropout, kw):
+    if view is None or _unsupported(attention_mask, dropout, kw):
         return None
     out = _bound_step(view, query, key, value, attention_mask, scaling, lane=True)
     return None if out is None else (out, None)
@@ -849,11 +875,13 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
 
 
 def _unsupported(mask, dropout, kw):
-    """Return the error for what the "mpitree" attention does not do, or None."""
-    if dropout:
+    """Return the error for what the "mpitree" attention does not do, or None (never raises)."""
+    if not isinstance(dropout, (int, float)) or dropout:
         return ValueError("attn_implementation='mpitree' is for inference: dropout must be 0")
     if kw.get("softcap") is not None:
         return ValueError("attn_implementation='mpitree' has no softcap")
+    if kw.get("s_aux") is not None:  # gpt-oss: a per-head logit in every softmax's denominator
+        return ValueError("attn_implementation='mpitree' has no attention sinks (s_aux)")
     if kw.get("sliding_window") is not None and mask is None:
         # a window is honoured through the mask, which transformers builds with it
         return ValueError("attn_implementation='mpitree' needs a mask for sliding_window")

@@ -214,7 +214,7 @@ class Sharding:
 
 @dataclass
 class View:
-    """What the attention function needs about one layer's step (see :func:`take_view`)."""
+    """What the attention function needs about one layer's step (see :func:`peek_view`)."""
 
     keys: torch.Tensor  # the very tensor the layer's update returned
     layer: ShardedLayer
@@ -323,7 +323,7 @@ class ShardedLayer(CacheLayerMixin):
         self.positions = torch.empty(0, dtype=torch.long)
         self.kernel = extend.KernelSlot()  # this layer's bound kernel arguments, step to step
         # the attention's one-call decode step over this layer's buffers (None: unbound); see
-        # _attention._fast_attention. Dropped whenever the buffers are replaced.
+        # _attention._bound_step. Dropped whenever the buffers are replaced.
         self.fast = None
         self.ref = weakref.ref(self)  # what a step lists this layer by (built once, not per step)
 

@@ -6,7 +6,7 @@ from mpi4py import MPI
 
 from .._library import STATUS_WORDS
 from .._op import record_op
-from .._runtime import request_calls
+from .._runtime import mpi_calls
 from .._traffic import traffic
 from . import Strategy, register, set_flag
 
@@ -53,7 +53,7 @@ class Allreduce(Strategy):
         flag = self._flag.ctypes.data
         if self._many and self._request is None:
             return None
-        calls = request_calls(STATUS_WORDS * 8)
+        calls = mpi_calls(STATUS_WORDS * 8 if self._many else None)
         if calls is None:
             return None
         start, wait, finalized = calls
