@@ -38,9 +38,11 @@ def test_finish_layouts_agree_on_a_numpy_bfloat16_dtype():
 def test_kernel_slot_over_torch_tensors(monkeypatch):
     """The KernelSlot checks over shared CPU tensors (element strides, not bytes)."""
     slot, q, k, v = check_kernel_slot(monkeypatch, torch.from_numpy, torch.Tensor.double)
-    neg = extend.Attention(extend.namespace(q), torch._neg_view(-q), k, v, 0.3, None, None)
-    with pytest.raises(RuntimeError, match="negative bit"):  # as Attention.fill does
-        slot.fill(neg, np.empty((q.shape[0] * q.shape[1], 18), np.float32))
+    lazy = torch._neg_view(-q)  # negated lazily: the slot must read its values, not its memory
+    got, want = (np.empty((q.shape[0] * q.shape[1], 18), np.float32) for _ in range(2))
+    slot.fill(extend.Attention(extend.namespace(q), lazy, k, v, 0.3, None, None), got)
+    slot.fill(extend.Attention(extend.namespace(q), q.clone(), k, v, 0.3, None, None), want)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_combine_records_torch_is_the_same_definition():
