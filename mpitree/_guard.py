@@ -77,10 +77,6 @@ def entry_point(fn=None, *, lane=None):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if lane is not None:
-            out = lane(*args, **kwargs)
-            if out is not None:
-                return out
         outer = _entry.get()
         if outer is None:
             check_mpi_usable()
@@ -89,6 +85,14 @@ def entry_point(fn=None, *, lane=None):
             return fn(*args, **kwargs)
         finally:
             _entry.reset(token)
+
+    if lane is not None:
+        guarded = wrapper
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            out = lane(*args, **kwargs)
+            return guarded(*args, **kwargs) if out is None else out
 
     ENTRY_POINTS[name] = wrapper
     return wrapper
@@ -205,6 +209,9 @@ class Call:
 
 
 _OK = 1 << 62  # an agreement's verdict slot on a rank whose local phase passed
+# the agreement's four int64 (verdict, native op, code, -code), packed in a plain buffer and
+# sent as MPI_INT64_T: no array library on the path of a call that agrees
+_VECTOR = struct.Struct("=4q")
 _WIDE = 2 + 2 * MAX_FIELDS
 _encoded: dict = {}  # (entry point, Call.key) -> _Encoding
 
@@ -212,7 +219,7 @@ _encoded: dict = {}  # (entry point, Call.key) -> _Encoding
 class _Encoding:
     """A call's signature as agreement codes: the whole signature's, and each field's."""
 
-    __slots__ = ("codes", "native", "whole")
+    __slots__ = ("codes", "native", "sent", "whole")
 
     def __init__(self, fields, op):
         if len(fields) > MAX_FIELDS:
@@ -222,6 +229,7 @@ class _Encoding:
             record_op(*op)
         self.native = int(native_op_available())
         self.whole = _code(tuple(self.codes))
+        self.sent = _VECTOR.pack(_OK, self.native, self.whole, -self.whole)  # without counts
 
     def code(self, counts):
         """Return the code of the whole signature with ``counts`` mixed in."""
@@ -276,11 +284,6 @@ def _encoding(entry, call):
     return found
 
 
-# the agreement's four int64 (verdict, native op, code, -code), packed in a plain buffer and
-# sent as MPI_INT64_T: no array library on the path of a call that agrees
-_VECTOR = struct.Struct("=4q")
-
-
 def agree(comm, prepare):
     """Run ``prepare()`` locally, then agree on its verdict and signature in one collective.
 
@@ -314,18 +317,19 @@ def agree(comm, prepare):
     try:
         call = prepare()
         enc = _encoding(entry, call)
-        whole = enc.code(call.counts)
+        if call.counts:
+            whole = enc.code(call.counts)
+            sent = _VECTOR.pack(_OK, enc.native, whole, -whole)
+        else:
+            sent = enc.sent
     except Exception as exc:  # every local failure becomes this rank's verdict
         error = exc
+        sent = _VECTOR.pack(comm.Get_rank(), 0, 0, 0)
     if comm.Get_size() == 1:
         if error is not None:
             raise_failure(comm, error)
         call.native = bool(enc.native)  # one rank: its own verdict, codes and op
         return call
-    if error is None:
-        sent = _VECTOR.pack(_OK, enc.native, whole, -whole)
-    else:
-        sent = _VECTOR.pack(comm.Get_rank(), 0, 0, 0)
     buf = bytearray(sent)
     comm.Allreduce(MPI.IN_PLACE, [buf, MPI.INT64_T], op=MPI.MIN)
     if error is None and buf == sent:

@@ -22,6 +22,7 @@ import numpy as np
 
 from ._kernel import Prepared
 from ._kernel import _lib as _kernel_lib
+from ._library import address
 from ._local import BLOCK_SCORES, attend
 from ._namespace import is_array, namespace
 from ._state import combine_records, empty_records
@@ -115,7 +116,7 @@ def _joiner(recs):
             recs[i] = combine_records(recs[i], recs[j])
 
         return join
-    bits, base, stride = recs.dtype.itemsize * 8, recs.ctypes.data, recs.strides[0]
+    bits, base, stride = recs.dtype.itemsize * 8, address(recs), recs.strides[0]
     rows, dim = int(np.prod(recs.shape[1:-1])), recs.shape[-1] - 2
     combine = lib.mpitree_combine
 

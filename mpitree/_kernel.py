@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from ._library import AttnArgs, LayerArgs, native_lib
+from ._library import AttnArgs, LayerArgs, address, native_lib
 
 KERNEL_ENV = "MPITREE_LOCAL_KERNEL"  # "native" (default when built) or "numpy"
 _local = threading.local()  # per-thread scratch buffer of the kernel
@@ -235,14 +235,14 @@ def attend_native(q, k, v, scale, lens, vis, out):
     lens_ptr = vis_ptr = vis_heads = 0
     if lens is not None:
         lens = np.ascontiguousarray(lens, dtype=np.int64)
-        lens_ptr = lens.ctypes.data
+        lens_ptr = address(lens)
     if vis is not None:
         vis = np.ascontiguousarray(vis)
         if vis.shape != (b, vis.shape[1], sq, k.shape[2]) or vis.shape[1] not in (1, hq):
             raise ValueError(  # the kernel reads (B, 1 or Hq, Sq, T): never past its end
                 f"mpitree: visibility of shape {vis.shape} for q {q.shape} and T={k.shape[2]}"
             )
-        vis_ptr, vis_heads = vis.ctypes.data, vis.shape[1]
+        vis_ptr, vis_heads = address(vis), vis.shape[1]
     hkv = k.shape[1]
     args = AttnArgs(
         b, hq, hkv, sq, dim, _I64x3(*k_strides), _I64x3(*v_strides), lens_ptr, k.shape[2]
@@ -251,11 +251,11 @@ def attend_native(q, k, v, scale, lens, vis, out):
     scratch = _scratch(lib.mpitree_attend_scratch(hq // hkv * sq, dim))
     lib.mpitree_attend_f32(
         ctypes.byref(args),
-        q.ctypes.data,
-        k.ctypes.data,
-        v.ctypes.data,
-        out.ctypes.data,
-        scratch.ctypes.data,
+        address(q),
+        address(k),
+        address(v),
+        address(out),
+        address(scratch),
     )
     return True
 
@@ -318,7 +318,7 @@ class Prepared:
         self.lens = np.zeros(b, np.int64)
         self._ref = ctypes.byref(self.args)
         self._fn = lib.mpitree_attend_f32
-        self._sp = self.scratch.ctypes.data
+        self._sp = address(self.scratch)
         self._k = self._v = self._o = None
         self._kp = self._vp = self._op = 0
 
@@ -405,15 +405,15 @@ class Prepared:
             C-contiguous; written, one record ``(m, n, d...)`` per query row.
         """
         if k is not self._k:  # a cache is usually the same array step after step
-            self._k, self._kp = k, k.ctypes.data
+            self._k, self._kp = k, address(k)
         if v is not self._v:
-            self._v, self._vp = v, v.ctypes.data
+            self._v, self._vp = v, address(v)
         if out is not self._o:
-            self._o, self._op = out, out.ctypes.data
+            self._o, self._op = out, address(out)
         args = self.args
         args.t = k.shape[2]
-        args.lens = None if lens is None else lens.ctypes.data
-        self._fn(self._ref, q.ctypes.data, self._kp, self._vp, self._op, self._sp)
+        args.lens = None if lens is None else address(lens)
+        self._fn(self._ref, address(q), self._kp, self._vp, self._op, self._sp)
 
 
 class BoundLayer:
@@ -455,7 +455,7 @@ class BoundLayer:
         call.args = AttnArgs(b, hq, kv_heads, sq, dim, _I64x3(*k[1]), _I64x3(*v[1]), 0, 0)
         call.args.scale = scale
         scratch = np.empty(lib.mpitree_attend_scratch(hq // kv_heads * sq, dim), np.float32)
-        call.k, call.v, call.rec, call.scratch = k[0], v[0], records, scratch.ctypes.data
+        call.k, call.v, call.rec, call.scratch = k[0], v[0], records, address(scratch)
         self._keep = (*keep, scratch)
         self._ref = ctypes.byref(call)
         self._attend, self._finish = lib.mpitree_layer_attend_f32, lib.mpitree_layer_finish_f32
@@ -546,5 +546,5 @@ def read_seconds(x):
     if lib is None:
         raise RuntimeError("mpitree: the native library is not built")
     t0 = time.perf_counter()
-    lib.mpitree_read_f32(x.ctypes.data, x.size)
+    lib.mpitree_read_f32(address(x), x.size)
     return time.perf_counter() - t0

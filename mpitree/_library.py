@@ -1,4 +1,7 @@
-"""Load the compiled library (``_native*.c``, built as ``mpitree._native``) once, thread-safely."""
+"""Load the compiled library (``_native*.c``, built as ``mpitree._native``) once, thread-safely.
+
+Also :func:`address`: a numpy array's address, for its calls, cheaply.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import ctypes
 import importlib.util
 import os
 import threading
+
+from mpi4py import MPI
 
 NATIVE_ENV = "MPITREE_NATIVE_OP"
 STATUS_WORDS = 8  # int64 words of room for one MPI_Status in mpitree_layer
@@ -58,6 +63,21 @@ class LayerArgs(ctypes.Structure):
         ("mpi_error", ctypes.c_int64),
         ("status", ctypes.c_int64 * STATUS_WORDS),
     ]
+
+
+_view = MPI.buffer.frombuffer
+
+
+def address(x):
+    """Return the address of numpy array ``x``'s first element, as ``x.ctypes.data`` does.
+
+    A contiguous array's comes through the buffer protocol (mpi4py's buffer view),
+    about 6x cheaper than ``x.ctypes``, which builds a helper object on every use:
+    this is on every decode step's path.
+    """
+    if x.flags.forc:
+        return _view(x, readonly=True).address
+    return x.ctypes.data
 
 
 def library_path():

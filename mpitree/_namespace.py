@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ._library import address
 from ._options import dtype_name
 
 Array = Any  # a numpy.ndarray, torch.Tensor, cupy.ndarray or jax.Array (for type hints)
@@ -194,7 +195,7 @@ class NumpyLike:
         """Return (data address, shape, strides in bytes) of a numpy array, or None."""
         if not isinstance(x, np.ndarray):
             return None
-        return x.ctypes.data, x.shape, x.strides
+        return address(x), x.shape, x.strides
 
     def to_numpy(self, x):
         """``x`` as a host numpy array (a copy unless it already is one)."""

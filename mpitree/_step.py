@@ -10,6 +10,7 @@ import numpy as np
 
 from ._checks import check_finite, check_masking, check_qkv
 from ._kernel import Prepared
+from ._library import address
 from ._local import attend, block_rows
 from ._masks import visibility
 from ._namespace import NumpyLike
@@ -158,10 +159,8 @@ class KernelSlot:
     def run_unheld(self, q, k, v, records):
         """Run the bound kernel with no lengths, holding none of the step's arrays afterwards."""
         if records is not self._out[0]:  # a merger hands the same buffer every call
-            self._out = (records, records.ctypes.data)
-        self._prepared.run_raw(
-            q.ctypes.data, k.ctypes.data, v.ctypes.data, k.shape[2], self._out[1]
-        )
+            self._out = (records, address(records))
+        self._prepared.run_raw(address(q), address(k), address(v), k.shape[2], self._out[1])
 
     def fill(self, att, records):
         """Write ``att``'s state into host records ``(rows, D + 2)``, as :meth:`Attention.fill`."""
@@ -191,7 +190,7 @@ class KernelSlot:
             att.fill(records)
             return
         if records is not self._out[0]:  # a merger hands the same buffer every step
-            self._out = (records, records.ctypes.data)
+            self._out = (records, address(records))
         self._prepared.run_raw(qp, kp, vp, ks[2], self._out[1])
 
     def __deepcopy__(self, memo):

@@ -20,7 +20,7 @@ from mpitree._kernel import (
     native_kernel_available,
     select_kernel,
 )
-from mpitree._library import native_lib
+from mpitree._library import address, native_lib
 from mpitree._local import state_records
 from mpitree._namespace import namespace
 
@@ -658,3 +658,28 @@ def test_select_kernel_refuses_what_is_not_a_level(bad, error):
     with pytest.raises(error, match="kernel level"):
         select_kernel(bad)
     assert kernel_isa() == before
+
+
+def _address_cases():
+    """Arrays of every layout the compiled calls get: (name, array)."""
+    base = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
+    frozen = base.copy()
+    frozen.flags.writeable = False
+    return [
+        ("C order", base),
+        ("Fortran order", np.asfortranarray(base)),
+        ("offset view", base[1:]),
+        ("read-only", frozen),
+        ("strided (not contiguous)", base[:, ::2]),
+        ("transposed, not contiguous", base.transpose(1, 0, 2)),
+        ("zero-size", base[:, :0]),
+        ("0-d", np.ones((), np.float32)),
+        ("int64", np.arange(7, dtype=np.int64)),
+        ("float16", base.astype(np.float16)),
+    ]
+
+
+@pytest.mark.parametrize("name, x", _address_cases(), ids=[c[0] for c in _address_cases()])
+def test_address_is_the_first_elements_address(name, x):
+    """address(x) (the buffer protocol where it can) is what x.ctypes.data says, for any layout."""
+    assert address(x) == x.ctypes.data

@@ -14,7 +14,7 @@ import copy
 import mpitree.adapters.transformers as mtt
 import pytest
 import torch
-from helpers import world
+from helpers import counting, world
 from models import greedy, prompt, tiny_llama
 from mpitree.adapters.transformers import _attention
 
@@ -23,29 +23,6 @@ from mpitree._strategies import allreduce
 from mpitree.extend import RankError
 
 NEW_TOKENS = 8
-
-
-def counting(monkeypatch, cache=None):
-    """Count the one-call path's kernel runs (inside the merge, or the whole step in one call).
-
-    A bound step is the compiled function itself (``BoundLayer.step``, an instance
-    attribute): those bound from now on are counted, and those of ``cache``'s layers.
-    """
-    runs = []
-    fill, bind = _kernel.BoundLayer.fill, _kernel.BoundLayer.bind_merge
-
-    def count(bound):
-        step = bound.step
-        monkeypatch.setattr(bound, "step", lambda out: runs.append(2) or step(out))
-
-    monkeypatch.setattr(_kernel.BoundLayer, "fill", lambda self, r: runs.append(1) or fill(self, r))
-    monkeypatch.setattr(
-        _kernel.BoundLayer, "bind_merge", lambda self, *a: bind(self, *a) or count(self)
-    )
-    for layer in cache.layers if cache is not None else ():
-        if layer.fast is not None and layer.fast.bound.merger is not None:
-            count(layer.fast.bound)
-    return runs
 
 
 def unfused(monkeypatch):

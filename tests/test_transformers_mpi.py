@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import world
+from helpers import counting, world
 from models import VOCAB, float64_logits, greedy, positions, prompt, tiny_llama, tiny_mistral
 from mpitree.adapters.transformers import _cache, _prefill
 from numpy.testing import assert_allclose
@@ -583,21 +583,10 @@ def test_decode_layers_reuse_their_bound_kernel_arguments(monkeypatch):
     """Each layer binds its one-call decode step once per buffer, then runs it every step."""
     from mpitree import _kernel
 
-    binds, runs = [], []
-    real_of, real_fill, real_bind = (
-        getattr(_kernel.BoundLayer, n) for n in ("of", "fill", "bind_merge")
-    )
+    binds, real_of = [], _kernel.BoundLayer.of
     bind = lambda *a, **k: binds.append(1) or real_of(*a, **k)  # noqa: E731
     monkeypatch.setattr(_kernel.BoundLayer, "of", bind)
-    # the kernel inside the merge, or the layer's whole step in one call (MPI allowing)
-    monkeypatch.setattr(_kernel.BoundLayer, "fill", lambda *a: runs.append(1) or real_fill(*a))
-
-    def bind_merge(self, *a):  # the bound step is the compiled function, set on the instance
-        real_bind(self, *a)
-        step = self.step
-        self.step = lambda out: runs.append(2) or step(out)
-
-    monkeypatch.setattr(_kernel.BoundLayer, "bind_merge", bind_merge)
+    runs = counting(monkeypatch)  # the kernel inside the merge (1), or the one call (2)
     model = tiny_llama()
     ids, _ = prompt(30, False)
     ref = generate(model, ids, None, "eager")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from .._library import STATUS_WORDS
+from .._library import STATUS_WORDS, address
 from .._op import record_op
 from .._runtime import mpi_calls
 from .._traffic import traffic
@@ -50,7 +50,7 @@ class Allreduce(Strategy):
         blocking all-reduce is not handed over (its handles' ABI differs between
         MPIs). With one rank: no collective (start, wait and request None).
         """
-        flag = self._flag.ctypes.data
+        flag = address(self._flag)
         if self._many and self._request is None:
             return None
         calls = mpi_calls(STATUS_WORDS * 8 if self._many else None)
