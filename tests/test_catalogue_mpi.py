@@ -404,6 +404,9 @@ def attention_cases():
         "bound later layer: attention sinks": lambda bad: bound_later_layer(
             bad, s_aux=torch.zeros(4)
         ),
+        "bound later layer: an unknown argument": lambda bad: bound_later_layer(
+            bad, attention_bias=torch.zeros(4)
+        ),
         "bound later layer: query a numpy array": lambda bad: bound_later_layer(
             bad, query=lambda q: q.numpy()
         ),

@@ -16,6 +16,7 @@ from mpitree.adapters.transformers import _cache, _prefill
 from numpy.testing import assert_allclose
 
 from mpitree import extend, spec
+from mpitree._strategies import allreduce
 
 NEW_TOKENS = 12
 LOGIT_ATOL = 1e-4  # the issue's bound for float32 logits
@@ -694,3 +695,50 @@ def test_crop_keeps_a_view_as_documented(placement):
     # interleave: position 6 goes back to its block's rank, into the dropped room
     assert changed == 1 if placement == "interleave" else changed <= 1
     assert "clone()" in mtt.ShardedCache.crop.__doc__  # and the docs say so
+
+
+def _attend_by_hand(kw, last_only=False):
+    """Decode steps over two layers by hand, each call given ``kw`` (or only the last step's
+    later layer, which runs in the lane, its one compiled call): the outputs."""
+    torch.manual_seed(0)
+    cache = mtt.ShardedCache(tiny_llama().config, block_size=1)
+    q = torch.randn(2, 4, 1, 16)
+    outs, steps = [], world().size + 2  # every rank holds keys, and its later layer is bound
+    for step in range(steps):
+        for layer in range(2):
+            keys, values = cache.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), layer)
+            given = kw if not last_only or (step, layer) == (steps - 1, 1) else {}
+            with torch.no_grad():
+                outs.append(mtt.attention_interface(None, q, keys, values, None, **given)[0])
+    return torch.stack(outs)
+
+
+ARGUMENTS = {
+    "output flags": ({"use_cache": True, "output_attentions": False}, None),
+    "a MoE flag": ({"output_router_logits": False}, None),
+    "packed-sequence lengths": ({"cu_seq_lens_q": torch.tensor([0, 1]), "max_length_q": 1}, None),
+    "unset features": ({"softcap": None, "s_aux": None, "position_bias": None, "new": None}, None),
+    "an unknown argument": ({"attention_bias": torch.zeros(4)}, "argument 'attention_bias'"),
+    "position bias": ({"position_bias": torch.zeros(2, 4, 1, 3)}, "position bias"),
+    "not causal, no mask": ({"is_causal": False}, "not causal"),
+    "softcap": ({"softcap": 30.0}, "softcap"),
+    "attention sinks": ({"s_aux": torch.zeros(4)}, "attention sinks"),
+}
+
+
+@pytest.mark.parallel(nprocs=[1, 2])
+@pytest.mark.parametrize("last_only", [False, True], ids=["every call", "a bound later layer"])
+@pytest.mark.parametrize("name", ARGUMENTS)
+def test_attention_arguments_change_nothing_or_are_refused(name, last_only, monkeypatch):
+    """transformers' extra attention arguments: flags and unset features change no bit;
+    anything the attention would have to apply but does not is refused, never ignored."""
+    kw, refused = ARGUMENTS[name]
+    if refused is None:
+        plain = _attend_by_hand({})
+        runs = counting(monkeypatch)
+        assert torch.equal(_attend_by_hand(kw, last_only), plain)
+        one_call = world().size == 1 or allreduce._PERSISTENT_OK  # Open MPI: blocking
+        assert runs[-1] == (2 if one_call else 1), runs  # the last layer ran its bound step
+    else:
+        with pytest.raises(ValueError, match=refused):
+            _attend_by_hand(kw, last_only)

@@ -818,8 +818,12 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
     dropout : float
         Must be 0 (inference only).
     **kw
-        transformers' extra arguments. ``softcap`` must be None; a
-        ``sliding_window`` is applied through the mask transformers builds for it.
+        transformers' extra arguments. ``softcap``, ``s_aux`` (attention sinks)
+        and ``position_bias`` must be None; a ``sliding_window``, or
+        ``is_causal=False``, is applied through the mask transformers builds for
+        it; ``position_ids`` give the step's positions; flags such as
+        ``use_cache`` and flash kernels' packed-sequence lengths change nothing.
+        Any other argument must be None: ``ValueError`` names it otherwise.
 
     Returns
     -------
@@ -874,17 +878,48 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
     return extend.finish(records, query, layout="bshd", inputs=(query, key, value)), None
 
 
+# transformers' attention keyword arguments that change nothing here: flags about the model's
+# outputs, and packed-sequence metadata for flash kernels that the mask already carries (eager
+# attention ignores them too); position_ids are read for the step's positions
+_IGNORED = frozenset(
+    {
+        "position_ids", "use_cache", "cache_position", "output_attentions",
+        "output_router_logits", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+        "max_length_k",
+    }
+)  # fmt: skip
+# and those read below: any other argument that is set is refused, never ignored (GPT-OSS's
+# attention sinks, s_aux, once were: the output was silently wrong)
+_KNOWN = _IGNORED | {"softcap", "s_aux", "sliding_window", "position_bias", "is_causal"}
+
+
 def _unsupported(mask, dropout, kw):
     """Return the error for what the "mpitree" attention does not do, or None (never raises)."""
     if not isinstance(dropout, (int, float)) or dropout:
         return ValueError("attn_implementation='mpitree' is for inference: dropout must be 0")
+    if not kw.keys() <= _KNOWN:
+        for name, value in kw.items():
+            if name not in _KNOWN and value is not None:
+                return ValueError(
+                    f"attn_implementation='mpitree' does not know the attention argument "
+                    f"{name!r} (a {type(value).__name__}): it would be ignored, and the "
+                    "output could be wrong"
+                )
     if kw.get("softcap") is not None:
         return ValueError("attn_implementation='mpitree' has no softcap")
     if kw.get("s_aux") is not None:  # gpt-oss: a per-head logit in every softmax's denominator
         return ValueError("attn_implementation='mpitree' has no attention sinks (s_aux)")
+    if kw.get("position_bias") is not None:
+        return ValueError("attn_implementation='mpitree' has no position bias (position_bias)")
     if kw.get("sliding_window") is not None and mask is None:
         # a window is honoured through the mask, which transformers builds with it
         return ValueError("attn_implementation='mpitree' needs a mask for sliding_window")
+    causal = kw.get("is_causal")
+    if causal is not None and causal is not True and mask is None:
+        return ValueError(
+            "attn_implementation='mpitree' needs a mask for attention that is not causal "
+            "(is_causal=False)"
+        )
     return None
 
 
