@@ -880,45 +880,48 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
 
 # transformers' attention keyword arguments that change nothing here: flags about the model's
 # outputs, and packed-sequence metadata for flash kernels that the mask already carries (eager
-# attention ignores them too); position_ids are read for the step's positions
-_IGNORED = frozenset(
+# attention ignores them too); position_ids are read for the step's positions, a sliding
+# window comes through the mask
+_PASS = frozenset(
     {
         "position_ids", "use_cache", "cache_position", "output_attentions",
         "output_router_logits", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-        "max_length_k",
+        "max_length_k", "sliding_window",
     }
 )  # fmt: skip
-# and those read below: any other argument that is set is refused, never ignored (GPT-OSS's
-# attention sinks, s_aux, once were: the output was silently wrong)
-_KNOWN = _IGNORED | {"softcap", "s_aux", "sliding_window", "position_bias", "is_causal"}
 
 
 def _unsupported(mask, dropout, kw):
-    """Return the error for what the "mpitree" attention does not do, or None (never raises)."""
+    """Return the error for what the "mpitree" attention does not do, or None (never raises).
+
+    Any keyword argument but those of ``_PASS`` that is set is refused, never ignored
+    (GPT-OSS's attention sinks, ``s_aux``, once were: the output was silently wrong).
+    """
     if not isinstance(dropout, (int, float)) or dropout:
         return ValueError("attn_implementation='mpitree' is for inference: dropout must be 0")
-    if not kw.keys() <= _KNOWN:
-        for name, value in kw.items():
-            if name not in _KNOWN and value is not None:
-                return ValueError(
-                    f"attn_implementation='mpitree' does not know the attention argument "
-                    f"{name!r} (a {type(value).__name__}): it would be ignored, and the "
-                    "output could be wrong"
-                )
-    if kw.get("softcap") is not None:
-        return ValueError("attn_implementation='mpitree' has no softcap")
-    if kw.get("s_aux") is not None:  # gpt-oss: a per-head logit in every softmax's denominator
-        return ValueError("attn_implementation='mpitree' has no attention sinks (s_aux)")
-    if kw.get("position_bias") is not None:
-        return ValueError("attn_implementation='mpitree' has no position bias (position_bias)")
     if kw.get("sliding_window") is not None and mask is None:
         # a window is honoured through the mask, which transformers builds with it
         return ValueError("attn_implementation='mpitree' needs a mask for sliding_window")
+    if kw.keys() <= _PASS:
+        return None
     causal = kw.get("is_causal")
     if causal is not None and causal is not True and mask is None:
         return ValueError(
             "attn_implementation='mpitree' needs a mask for attention that is not causal "
             "(is_causal=False)"
+        )
+    for name, value in kw.items():
+        if name in _PASS or name == "is_causal" or value is None:
+            continue
+        if name == "softcap":
+            return ValueError("attn_implementation='mpitree' has no softcap")
+        if name == "s_aux":  # gpt-oss: a per-head logit in every softmax's denominator
+            return ValueError("attn_implementation='mpitree' has no attention sinks (s_aux)")
+        if name == "position_bias":
+            return ValueError("attn_implementation='mpitree' has no position bias (position_bias)")
+        return ValueError(
+            f"attn_implementation='mpitree' does not know the attention argument {name!r} "
+            f"(a {type(value).__name__}): it would be ignored, and the output could be wrong"
         )
     return None
 
