@@ -229,17 +229,22 @@ class _Encoding:
             record_op(*op)
         self.native = int(native_op_available())
         self.whole = _code(tuple(self.codes))
-        self.sent = _VECTOR.pack(_OK, self.native, self.whole, -self.whole)  # without counts
+        self.sent = self._pack(self.whole)  # without counts
 
-    def code(self, counts):
-        """Return the code of the whole signature with ``counts`` mixed in."""
+    def vector(self, counts):
+        """Return the agreement's packed vector, with ``counts`` mixed into the code."""
+        if not counts:
+            return self.sent
+        if len(self.codes) + len(counts) > MAX_FIELDS:
+            raise RuntimeError(f"mpitree internal error: {len(counts)} more signature fields")
         whole = self.whole
-        if counts:
-            if len(self.codes) + len(counts) > MAX_FIELDS:
-                raise RuntimeError(f"mpitree internal error: {len(counts)} more signature fields")
-            for value in counts.values():
-                whole = _mix(whole, _count(value))
-        return whole
+        for value in counts.values():
+            whole = _mix(whole, _count(value))
+        return self._pack(whole)
+
+    def _pack(self, whole):
+        """Return the vector of a rank whose local phase passed, for the code ``whole``."""
+        return _VECTOR.pack(_OK, self.native, whole, -whole)
 
     def wide(self, counts):
         """Return the per-field vector of the failure path (``counts`` as their own fields)."""
@@ -317,11 +322,7 @@ def agree(comm, prepare):
     try:
         call = prepare()
         enc = _encoding(entry, call)
-        if call.counts:
-            whole = enc.code(call.counts)
-            sent = _VECTOR.pack(_OK, enc.native, whole, -whole)
-        else:
-            sent = enc.sent
+        sent = enc.vector(call.counts)
     except Exception as exc:  # every local failure becomes this rank's verdict
         error = exc
         sent = _VECTOR.pack(comm.Get_rank(), 0, 0, 0)

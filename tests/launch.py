@@ -43,4 +43,5 @@ def run(n, args, env=None, timeout=120):
         output = proc.stdout + proc.stderr
         if proc.returncode == 0 or not any(f in output for f in LAUNCHER_FAILURES):
             break
+        print(f"mpiexec failed to start ({output.strip()[:200]!r}): starting it again")
     return proc

@@ -668,6 +668,11 @@ def _address_cases():
     return [
         ("C order", base),
         ("Fortran order", np.asfortranarray(base)),
+        ("Fortran order, big-endian", np.asfortranarray(base.astype(">f4"))),
+        ("Fortran order, records", np.asfortranarray(np.zeros((3, 2), "f4,i8"))),
+        ("big-endian", base.astype(">f4")),
+        ("records", np.zeros(3, "f4,i8")),
+        ("objects", np.empty((3, 4), object)),
         ("offset view", base[1:]),
         ("read-only", frozen),
         ("strided (not contiguous)", base[:, ::2]),
@@ -681,5 +686,6 @@ def _address_cases():
 
 @pytest.mark.parametrize("name, x", _address_cases(), ids=[c[0] for c in _address_cases()])
 def test_address_is_the_first_elements_address(name, x):
-    """address(x) (the buffer protocol where it can) is what x.ctypes.data says, for any layout."""
+    """address(x) (the buffer protocol where it can) is what x.ctypes.data says, for the
+    layouts and dtypes here (only float32 and int64 arrays reach the compiled calls)."""
     assert address(x) == x.ctypes.data

@@ -715,12 +715,17 @@ def _attend_by_hand(kw, last_only=False):
 
 ARGUMENTS = {
     "output flags": ({"use_cache": True, "output_attentions": False}, None),
+    "hidden states": ({"output_hidden_states": True}, None),
     "a MoE flag": ({"output_router_logits": False}, None),
+    "a loss's item count": ({"num_items_in_batch": 4}, None),
     "packed-sequence lengths": ({"cu_seq_lens_q": torch.tensor([0, 1]), "max_length_q": 1}, None),
+    "packed-sequence index": ({"seq_idx": torch.zeros(2, 1, dtype=torch.int32)}, None),
+    "causal, as a tensor": ({"is_causal": torch.tensor(True)}, None),
     "unset features": ({"softcap": None, "s_aux": None, "position_bias": None, "new": None}, None),
     "an unknown argument": ({"attention_bias": torch.zeros(4)}, "argument 'attention_bias'"),
     "position bias": ({"position_bias": torch.zeros(2, 4, 1, 3)}, "position bias"),
     "not causal, no mask": ({"is_causal": False}, "not causal"),
+    "not causal, a tensor": ({"is_causal": torch.tensor(False)}, "not causal"),
     "softcap": ({"softcap": 30.0}, "softcap"),
     "attention sinks": ({"s_aux": torch.zeros(4)}, "attention sinks"),
 }

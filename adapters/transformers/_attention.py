@@ -878,17 +878,27 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
     return extend.finish(records, query, layout="bshd", inputs=(query, key, value)), None
 
 
-# transformers' attention keyword arguments that change nothing here: flags about the model's
-# outputs, and packed-sequence metadata for flash kernels that the mask already carries (eager
-# attention ignores them too); position_ids are read for the step's positions, a sliding
-# window comes through the mask
+# transformers' attention keyword arguments that change nothing here (its TransformersKwargs and
+# FlashAttentionKwargs): flags about the model's outputs, a loss's item count, and
+# packed-sequence metadata for flash or state-space kernels, which the mask already carries
+# (eager attention ignores them too); position_ids are read for the step's positions, a
+# sliding window comes through the mask
 _PASS = frozenset(
     {
         "position_ids", "use_cache", "cache_position", "output_attentions",
-        "output_router_logits", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-        "max_length_k", "sliding_window",
+        "output_hidden_states", "output_router_logits", "num_items_in_batch",
+        "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
+        "sliding_window",
     }
 )  # fmt: skip
+
+
+def _causal(value):
+    """Whether an ``is_causal`` argument asks for causal attention (never raises)."""
+    try:
+        return value is None or bool(value)
+    except Exception:  # a tensor of many values: not a flag that says causal
+        return False
 
 
 def _unsupported(mask, dropout, kw):
@@ -904,11 +914,10 @@ def _unsupported(mask, dropout, kw):
         return ValueError("attn_implementation='mpitree' needs a mask for sliding_window")
     if kw.keys() <= _PASS:
         return None
-    causal = kw.get("is_causal")
-    if causal is not None and causal is not True and mask is None:
+    if mask is None and not _causal(kw.get("is_causal")):
         return ValueError(
             "attn_implementation='mpitree' needs a mask for attention that is not causal "
-            "(is_causal=False)"
+            "(is_causal is false)"
         )
     for name, value in kw.items():
         if name in _PASS or name == "is_causal" or value is None:
@@ -920,8 +929,8 @@ def _unsupported(mask, dropout, kw):
         if name == "position_bias":
             return ValueError("attn_implementation='mpitree' has no position bias (position_bias)")
         return ValueError(
-            f"attn_implementation='mpitree' does not know the attention argument {name!r} "
-            f"(a {type(value).__name__}): it would be ignored, and the output could be wrong"
+            f"attn_implementation='mpitree' does not know the attention argument {name!r}, "
+            "which is not None: it would be ignored, and the output could be wrong"
         )
     return None
 
