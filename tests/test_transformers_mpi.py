@@ -697,7 +697,7 @@ def test_crop_keeps_a_view_as_documented(placement):
     assert "clone()" in mtt.ShardedCache.crop.__doc__  # and the docs say so
 
 
-def _attend_by_hand(kw, last_only=False):
+def _attend_by_hand(kw, last_only=False, mask=False):
     """Decode steps over two layers by hand, each call given ``kw`` (or only the last step's
     later layer, which runs in the lane, its one compiled call): the outputs."""
     torch.manual_seed(0)
@@ -708,8 +708,9 @@ def _attend_by_hand(kw, last_only=False):
         for layer in range(2):
             keys, values = cache.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), layer)
             given = kw if not last_only or (step, layer) == (steps - 1, 1) else {}
+            seen = torch.ones(2, 1, 1, step + 1, dtype=torch.bool) if mask else None
             with torch.no_grad():
-                outs.append(mtt.attention_interface(None, q, keys, values, None, **given)[0])
+                outs.append(mtt.attention_interface(None, q, keys, values, seen, **given)[0])
     return torch.stack(outs)
 
 
@@ -747,3 +748,11 @@ def test_attention_arguments_change_nothing_or_are_refused(name, last_only, monk
     else:
         with pytest.raises(ValueError, match=refused):
             _attend_by_hand(kw, last_only)
+
+
+@pytest.mark.parallel(nprocs=[1, 2])
+def test_not_causal_with_a_mask_is_the_masks_attention():
+    """is_causal=False beside a mask is allowed: the mask decides, as in sdpa."""
+    assert torch.equal(
+        _attend_by_hand({"is_causal": False}, mask=True), _attend_by_hand({}, mask=True)
+    )
