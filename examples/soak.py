@@ -45,14 +45,19 @@ checkpoint = max(1, args.steps // 10)
 
 
 def handle_probe(comm):
-    """Create and free a communicator and a datatype; return their handles.
+    """Create and free a communicator and a datatype; return their Fortran handles.
 
-    MPI implementations reuse freed handle slots, so the same handles before and
-    after the loop mean no communicator or datatype was left allocated in between.
+    A Fortran handle is an index into the library's table of live objects, and a
+    new object takes the lowest free slot, so the same indices before and after the
+    loop mean no communicator or datatype was left allocated in between. (Open MPI
+    indexes a datatype only when its Fortran handle is first asked for, so there
+    only the communicator is checked; its C handles are heap pointers, and which
+    chunk malloc returns next is no evidence of a leak.)
     """
+    gc.collect()  # finalizers of unreachable plans free their objects first
     c = comm.Dup()
     d = MPI.FLOAT.Create_contiguous(3).Commit()
-    handles = (MPI._handleof(c), MPI._handleof(d))
+    handles = (c.py2f(), d.py2f())
     c.Free()
     d.Free()
     return handles
