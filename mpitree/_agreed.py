@@ -61,8 +61,13 @@ def agree_merger(comm, prepare, *, like=None, owned=False):
         On every rank, as :func:`agree` raises.
     """
     call = agree(comm, prepare)
+    return call, agreed_merger(comm, call, like=like, owned=owned)
+
+
+def agreed_merger(comm, call, *, like=None, owned=False):
+    """Return the merger of an agreed ``call`` (:func:`agree_merger` after its agreement)."""
     if call.merge is None:
-        return call, None
+        return None
     last = _recent.get(id(call.merge))
     kept = None if last is None else last[3]()
     if (
@@ -77,19 +82,19 @@ def agree_merger(comm, prepare, *, like=None, owned=False):
         # a rank may reuse it where another (whose last call was on another communicator)
         # looks it up: both mark it used, so every rank's cache evicts the same merger
         last[4].move_to_end(last[5])
-        return call, kept
+        return kept
     rows, head_dim, acc, opts = call.merge
     if opts.deterministic == INVARIANT:
         if owned:
-            return call, InvariantMerger(comm, rows, head_dim, acc)
-        return call, merger_for(comm, rows, head_dim, acc, INVARIANT)
+            return InvariantMerger(comm, rows, head_dim, acc)
+        return merger_for(comm, rows, head_dim, acc, INVARIANT)
     chosen = resolve(opts.strategy, comm, call.native, opts.node_size, opts.deterministic)
     if owned:
-        return call, Merger(comm, rows, head_dim, acc, chosen, node_size=opts.node_size, like=like)
+        return Merger(comm, rows, head_dim, acc, chosen, node_size=opts.node_size, like=like)
     merger = merger_for(comm, rows, head_dim, acc, chosen, opts.node_size, like)
     if like is None:
         _remember(comm, call, merger, cache_key(rows, head_dim, acc, chosen, opts.node_size))
-    return call, merger
+    return merger
 
 
 def _remember(comm, call, merger, key):

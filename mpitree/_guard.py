@@ -336,7 +336,17 @@ def agree(comm, prepare):
     if error is None and buf == sent:
         call.native = bool(enc.native)  # every rank sent the same: its op is everywhere
         return call
-    verdict, native, low, negated = _VECTOR.unpack(buf)
+    return settle(comm, entry, call, enc, error, buf)
+
+
+def settle(comm, entry, call, enc, error, got):
+    """Finish an agreement whose result ``got`` is not this rank's vector; return the call.
+
+    Collective where a rank failed or ranks disagree (every rank learns so from
+    ``got``): raises on every rank as :func:`agree` does. Otherwise only the
+    native-op fact differs: ``call.native`` is set to the agreed one.
+    """
+    verdict, native, low, negated = _VECTOR.unpack(got)
     if verdict != _OK:
         raise_failure(comm, error)
     if low != -negated:

@@ -65,6 +65,29 @@ class LayerArgs(ctypes.Structure):
     ]
 
 
+class OneShotArgs(ctypes.Structure):
+    """Mirror of ``mpitree_oneshot`` in ``_native.h``: a recurring ``allreduce_state``'s call."""
+
+    _fields_ = [
+        ("finalized", ctypes.c_void_p),
+        ("allreduce", ctypes.c_void_p),
+        ("handle_bytes", ctypes.c_int64),
+        ("comm", ctypes.c_int64),
+        ("int64_type", ctypes.c_int64),
+        ("min_op", ctypes.c_int64),
+        ("sent", ctypes.c_int64 * 4),
+        ("got", ctypes.c_int64 * 4),
+        ("start", ctypes.c_void_p),
+        ("wait", ctypes.c_void_p),
+        ("request", ctypes.c_void_p),
+        ("flag", ctypes.c_void_p),
+        ("records", ctypes.c_void_p),
+        ("nbytes", ctypes.c_int64),
+        ("mpi_error", ctypes.c_int64),
+        ("status", ctypes.c_int64 * STATUS_WORDS),
+    ]
+
+
 _view = MPI.buffer.frombuffer
 
 
@@ -126,6 +149,9 @@ def _load():
         lib.mpitree_layer_finish_f32.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_void_p]
         lib.mpitree_layer_step_f32.restype = ctypes.c_int
         lib.mpitree_layer_step_f32.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_void_p]
+        lib.mpitree_oneshot_merge_f32.restype = ctypes.c_int
+        lib.mpitree_oneshot_merge_f32.argtypes = [ctypes.POINTER(OneShotArgs)]
+        lib.mpitree_oneshot_merge_f32.argtypes += [ctypes.c_void_p] * 2
         lib.mpitree_attend_scratch.restype = ctypes.c_int64
         lib.mpitree_attend_scratch.argtypes = [ctypes.c_int64] * 2
         lib.mpitree_read_f32.restype = ctypes.c_float

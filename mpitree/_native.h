@@ -70,6 +70,22 @@ typedef struct {
     int64_t status[MPITREE_STATUS_WORDS];      /* room for one MPI_Status */
 } mpitree_layer;
 
+typedef struct {
+    int (*finalized)(int *flag);              /* MPI_Finalized: checked first, every call */
+    void (*allreduce)(void);                  /* MPI_Allreduce (its handles' type), or NULL */
+    int64_t handle_bytes;                     /* sizeof an MPI handle: 4 (int) or a pointer's */
+    int64_t comm, int64_type, min_op;         /* the agreement's handles, by value */
+    int64_t sent[4], got[4];                  /* this rank's agreement vector, the MIN */
+    int (*start)(void *request);              /* MPI_Start, or NULL: one rank, no collective */
+    int (*wait)(void *request, void *status); /* MPI_Wait */
+    void *request;                            /* the address of the merge's request handle */
+    float *flag;                              /* the merge buffer's flag record (its m) */
+    void *records;                            /* the merge buffer's records */
+    int64_t nbytes;                           /* their bytes (the flag record not included) */
+    int64_t mpi_error;                        /* the failing MPI call's error code */
+    int64_t status[MPITREE_STATUS_WORDS];     /* room for one MPI_Status */
+} mpitree_oneshot;
+
 /* _native_op.c */
 int mpitree_nslots(void);
 void *mpitree_bind_slot(int bits, int slot, int dim);
@@ -94,6 +110,9 @@ void mpitree_finish_f32(const float *rec, int64_t batch, int64_t heads, int64_t 
 void mpitree_layer_attend_f32(mpitree_layer *l);
 void mpitree_layer_finish_f32(const mpitree_layer *l, float *out);
 int mpitree_layer_step_f32(mpitree_layer *l, float *out);
+
+/* _native_oneshot.c */
+int mpitree_oneshot_merge_f32(mpitree_oneshot *o, const void *in, void *out);
 
 /* _native_read.c */
 float mpitree_read_f32(const float *x, int64_t n);

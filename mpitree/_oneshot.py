@@ -8,14 +8,15 @@ import numpy as np
 from mpi4py import MPI
 
 from ._agreed import agree_merger
-from ._guard import Call, check_comm, entry_point
+from ._guard import Call, check_comm, current_entry, entry_point
 from ._invariant import check_placement, leaf_records, local_pieces
 from ._invariant_step import _placement_unused, invariant_signature
 from ._namespace import Array
+from ._oneshot_lane import keep_lane, merged_state, state_lane
 from ._options import INVARIANT, Options, dtype_name
 from ._recurring import _RECURRING_SIZE, _options_key, _recurring_calls, _remember, _state_calls
 from ._runtime import limit_blas_threads
-from ._state import State, finish, trusted_state
+from ._state import State, finish
 from ._step import _layout, prepare_attention
 
 
@@ -180,7 +181,7 @@ def tree_decode(
     return finish(records.reshape(*problem.row_shape, -1), q, return_lse, inputs=(q, k, v))
 
 
-@entry_point
+@entry_point(lane=state_lane)
 def allreduce_state(
     state: State,
     comm: MPI.Intracomm | None = None,
@@ -207,7 +208,7 @@ def allreduce_state(
     State
         A new state with the same row shape and dtype.
     """
-    comm = check_comm(comm)
+    comm_arg, comm = comm, check_comm(comm)
 
     key = _options_key(strategy, None, deterministic, node_size)
 
@@ -234,10 +235,6 @@ def allreduce_state(
         return call
 
     call, merger = agree_merger(comm, prepare)
-    rows = call.merge[0]
-    records = state.records
-
-    def fill(out):
-        out[...] = records.reshape(rows, -1)
-
-    return trusted_state(merger.merge(fill).reshape(records.shape).copy())
+    if key is not None and type(state) is State:
+        keep_lane(comm_arg, comm, call, merger, state.records, current_entry())
+    return merged_state(merger, call.merge[0], state.records)

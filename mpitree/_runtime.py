@@ -138,10 +138,12 @@ def _address(lib, name):
 
 
 def mpi_calls(status_bytes=None):
-    """Return the addresses of ``MPI_Start``, ``MPI_Wait`` and ``MPI_Finalized``.
+    """Return the addresses of ``MPI_Start``, ``MPI_Wait``, ``MPI_Finalized``, ``MPI_Allreduce``.
 
-    All three take pointers only (to a request's handle, to a status, to an
-    int), so a compiled caller needs no ``mpi.h``. They are looked up, once, in
+    The first three take pointers only (to a request's handle, to a status, to
+    an int), so a compiled caller needs no ``mpi.h``; ``MPI_Allreduce`` takes
+    handles by value, which its caller must pass as the MPI's handle type
+    (``MPI._sizeof(MPI.Comm)`` bytes). They are looked up, once, in
     the libraries mpi4py's extension module loaded; but where the process's
     global scope holds that same MPI library (its ``PMPI_Start`` is the same),
     there, so that a profiling tool preloaded over ``MPI_Start`` sees these calls
@@ -156,7 +158,7 @@ def mpi_calls(status_bytes=None):
     Returns
     -------
     tuple of int or None
-        ``(MPI_Start, MPI_Wait, MPI_Finalized)``; None where they are not found
+        ``(MPI_Start, MPI_Wait, MPI_Finalized, MPI_Allreduce)``; None where they are not found
         or an ``MPI_Status`` needs more than ``status_bytes``.
     """
     global _mpi_calls
@@ -167,7 +169,8 @@ def mpi_calls(status_bytes=None):
             pmpi = _address(mpi4py_scope, "PMPI_Start")
             same = pmpi is not None and _address(global_scope, "PMPI_Start") == pmpi
             scope = global_scope if same else mpi4py_scope
-            found = tuple(_address(scope, f"MPI_{name}") for name in ("Start", "Wait", "Finalized"))
+            names = ("Start", "Wait", "Finalized", "Allreduce")
+            found = tuple(_address(scope, f"MPI_{name}") for name in names)
         except OSError:
             pass
         ok = found is not None and None not in found

@@ -192,7 +192,22 @@ def allreduce_state_cases():
             kw.update(change)
         mpitree.allreduce_state(**kw)
 
+    def kept(bad, **change):
+        """The bad call on one rank, the others' on the lane kept by two good calls."""
+        from mpitree import _oneshot_lane
+        from mpitree._library import native_lib
+        from mpitree._strategies.allreduce import _PERSISTENT_OK
+
+        for _ in range(2):
+            call(False)
+        assert _oneshot_lane._lanes or not (native_lib() and _PERSISTENT_OK), "no lane kept"
+        call(bad, **change)
+
     return {
+        "kept lane: not a State": lambda bad: kept(bad, state=np.zeros((3, 10))),
+        "kept lane: rows": lambda bad: kept(bad, state=mpitree.State.empty((4,), 8)),
+        "kept lane: dtype": lambda bad: kept(bad, state=mpitree.State.empty((3,), 8, np.float64)),
+        "kept lane: strategy ring": lambda bad: kept(bad, strategy="ring"),
         "not a State": lambda bad: call(bad, state=np.zeros((3, 10))),
         "head dim": lambda bad: call(bad, state=mpitree.State.empty((3,), 6)),
         "rows": lambda bad: call(bad, state=mpitree.State.empty((4,), 8)),

@@ -254,3 +254,128 @@ def test_allreduce_state_bad_input_after_recurring():
         mpitree.allreduce_state(state, comm, deterministic=det)
     merged = mpitree.allreduce_state(state, comm)
     assert np.isneginf(merged.m).all()
+
+
+@pytest.fixture
+def lane_calls(monkeypatch):
+    """Count ``allreduce_state``'s lane calls (its one compiled call) on this rank.
+
+    The test starts with no lane kept (earlier tests' calls left some).
+    """
+    from mpitree import _oneshot_lane
+
+    monkeypatch.setattr(_oneshot_lane, "_lanes", {})
+    calls = []
+    real = _oneshot_lane._merge
+    monkeypatch.setattr(_oneshot_lane, "_merge", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def lane_expected(comm=None):
+    """Whether a recurring float32 ``allreduce_state`` on ``comm`` can take its lane here."""
+    from mpitree._library import native_lib
+    from mpitree._strategies.allreduce import _PERSISTENT_OK
+
+    size = (comm or world()).Get_size()
+    return native_lib() is not None and (_PERSISTENT_OK or size == 1)
+
+
+def random_records(seed, shape=(2, 3, 10), dtype=np.float32):
+    """Return valid records ``shape`` (d >= 0), different on every rank."""
+    mine = np.random.default_rng([seed, world().rank]).standard_normal(shape).astype(dtype)
+    mine[..., 1] = np.abs(mine[..., 1])
+    return mine
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+@pytest.mark.parametrize("which", ["default", "world", "split"])
+def test_recurring_allreduce_state_takes_its_lane_exactly(which, lane_calls):
+    """From its second call on, a recurring call is one compiled call: still exact.
+
+    Uneven ranks (a split of ranks 0 and the rest), an empty row, -inf/NaN rows.
+    """
+    comm = {"default": None, "world": world(), "split": world().Split(world().rank == 0)}[which]
+    group = world() if comm is None else comm
+    for step in range(5):
+        mine = random_records(step)
+        if step == 2:
+            mine[0, 0] = [-np.inf, 0, *np.zeros(8)]  # an empty row on every rank
+        if step == 3 and group.rank == group.Get_size() - 1:
+            mine[1, 2, 4] = np.nan  # a NaN stays NaN
+        merged = mpitree.allreduce_state(mpitree.State(mine), comm)
+        every = np.stack(group.allgather(mine)).astype(np.float64)
+        assert_allclose(merged.records, merge_records(every), rtol=2e-6, atol=2e-6)
+        assert merged.records.dtype == np.float32 and merged.records is not mine
+    assert np.isnan(merged.records[1, 2, 4]) or step != 3
+    assert len(lane_calls) == (4 if lane_expected(group) else 0)
+    if which == "split":
+        comm.Free()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_allreduce_state_lane_failures_reach_every_rank(lane_calls):
+    """On a kept lane, one rank's bad input, a disagreement or a changed environment
+    raise on every rank or are merged as the guarded path would; the lane goes on."""
+    comm = world()
+    last = comm.Get_size() - 1
+    state = mpitree.State(random_records(1))
+    for _ in range(3):
+        mpitree.allreduce_state(state, comm)
+    taken = len(lane_calls)
+    assert taken == (2 if lane_expected() else 0)
+    with pytest.raises((TypeError, ValueError)) as info:
+        mpitree.allreduce_state(state.records if comm.rank == last else state, comm)
+    assert isinstance(info.value, TypeError) == (comm.rank == last)
+    with pytest.raises(ValueError, match="disagree on rows"):
+        rows = (2, 4, 10) if comm.rank == 0 else (2, 3, 10)
+        mpitree.allreduce_state(mpitree.State(random_records(2, rows)), comm)
+    with pytest.raises(ValueError, match="disagree on dtype"):
+        dtype = np.float64 if comm.rank == last else np.float32
+        mpitree.allreduce_state(mpitree.State(random_records(2, dtype=dtype)), comm)
+    with pytest.raises(ValueError, match="disagree on strategy"):
+        mpitree.allreduce_state(state, comm, "allgather" if comm.rank == 0 else "auto")
+    every = np.stack(comm.allgather(state.records)).astype(np.float64)
+    if comm.rank == 0:  # a strided copy: the guarded path here, the lane elsewhere
+        state.records = np.asfortranarray(state.records)
+    merged = mpitree.allreduce_state(state, comm)
+    assert_allclose(merged.records, merge_records(every), rtol=2e-6, atol=2e-6)
+    state.records = np.ascontiguousarray(state.records)
+    merged = mpitree.allreduce_state(state, comm)
+    assert_allclose(merged.records, merge_records(every), rtol=2e-6, atol=2e-6)
+    if lane_expected():  # the lane ran where its rank sent the agreed vector
+        # each call's lane ran on the ranks whose own call could take it
+        assert len(lane_calls) - taken == 2 * (comm.rank != last) + 3 * (comm.rank != 0) + 1
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_allreduce_state_lane_survives_its_communicator(lane_calls):
+    """A freed communicator's lane is never taken again; a new one gets its own."""
+    for turn in range(3):
+        comm = world().Dup()
+        mine = random_records(turn)
+        every = np.stack(comm.allgather(mine)).astype(np.float64)
+        for _ in range(3):
+            merged = mpitree.allreduce_state(mpitree.State(mine), comm)
+            assert_allclose(merged.records, merge_records(every), rtol=2e-6, atol=2e-6)
+        comm.Free()
+    assert len(lane_calls) == (6 if lane_expected() else 0)
+
+
+@pytest.mark.parallel(nprocs=[1, 2])
+def test_allreduce_state_lane_only_for_the_outermost_call(lane_calls):
+    """Called inside another entry point, ``allreduce_state`` agrees under that entry
+    point's name: it takes the guarded path, never its lane."""
+    from mpitree import _guard
+
+    state = mpitree.State(random_records(3))
+    for _ in range(3):
+        mpitree.allreduce_state(state)
+    taken = len(lane_calls)
+    token = _guard._entry.set("tests.outer")
+    try:
+        merged = mpitree.allreduce_state(state)
+    finally:
+        _guard._entry.reset(token)
+    every = np.stack(world().allgather(state.records)).astype(np.float64)
+    assert_allclose(merged.records, merge_records(every), rtol=2e-6, atol=2e-6)
+    assert len(lane_calls) == taken

@@ -56,7 +56,7 @@ class Allreduce(Strategy):
         calls = mpi_calls(STATUS_WORDS * 8 if self._many else None)
         if calls is None:
             return None
-        start, wait, finalized = calls
+        start, wait, finalized, _ = calls
         if not self._many:
             return finalized, None, None, None, flag
         return finalized, start, wait, MPI._addressof(self._request), flag
