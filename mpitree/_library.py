@@ -83,6 +83,8 @@ class OneShotArgs(ctypes.Structure):
         ("flag", ctypes.c_void_p),
         ("records", ctypes.c_void_p),
         ("nbytes", ctypes.c_int64),
+        ("kernel", AttnArgs),
+        ("scratch", ctypes.c_void_p),
         ("mpi_error", ctypes.c_int64),
         ("status", ctypes.c_int64 * STATUS_WORDS),
     ]
@@ -152,6 +154,10 @@ def _load():
         lib.mpitree_oneshot_merge_f32.restype = ctypes.c_int
         lib.mpitree_oneshot_merge_f32.argtypes = [ctypes.POINTER(OneShotArgs)]
         lib.mpitree_oneshot_merge_f32.argtypes += [ctypes.c_void_p] * 2
+        lib.mpitree_oneshot_decode_f32.restype = ctypes.c_int
+        lib.mpitree_oneshot_decode_f32.argtypes = [ctypes.POINTER(OneShotArgs)]
+        lib.mpitree_oneshot_decode_f32.argtypes += [ctypes.c_void_p] * 3
+        lib.mpitree_oneshot_decode_f32.argtypes += [ctypes.c_int64, ctypes.c_void_p]
         lib.mpitree_attend_scratch.restype = ctypes.c_int64
         lib.mpitree_attend_scratch.argtypes = [ctypes.c_int64] * 2
         lib.mpitree_read_f32.restype = ctypes.c_float

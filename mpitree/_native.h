@@ -80,8 +80,10 @@ typedef struct {
     int (*wait)(void *request, void *status); /* MPI_Wait */
     void *request;                            /* the address of the merge's request handle */
     float *flag;                              /* the merge buffer's flag record (its m) */
-    void *records;                            /* the merge buffer's records */
+    float *records;                           /* the merge buffer's float32 records */
     int64_t nbytes;                           /* their bytes (the flag record not included) */
+    mpitree_attn_args kernel;                 /* tree_decode: the bound kernel's arguments */
+    float *scratch;                           /* tree_decode: the kernel's scratch */
     int64_t mpi_error;                        /* the failing MPI call's error code */
     int64_t status[MPITREE_STATUS_WORDS];     /* room for one MPI_Status */
 } mpitree_oneshot;
@@ -113,6 +115,8 @@ int mpitree_layer_step_f32(mpitree_layer *l, float *out);
 
 /* _native_oneshot.c */
 int mpitree_oneshot_merge_f32(mpitree_oneshot *o, const void *in, void *out);
+int mpitree_oneshot_decode_f32(mpitree_oneshot *o, const float *q, const float *k,
+                               const float *v, int64_t t, float *out);
 
 /* _native_read.c */
 float mpitree_read_f32(const float *x, int64_t n);

@@ -12,8 +12,14 @@ from ._guard import Call, check_comm, current_entry, entry_point
 from ._invariant import check_placement, leaf_records, local_pieces
 from ._invariant_step import _placement_unused, invariant_signature
 from ._namespace import Array
-from ._oneshot_lane import keep_lane, merged_state, state_lane
-from ._options import INVARIANT, Options, dtype_name
+from ._oneshot_lane import (
+    decode_lane,
+    keep_decode_lane,
+    keep_state_lane,
+    merged_state,
+    state_lane,
+)
+from ._options import INVARIANT, Options, dtype_name, resolve_scale
 from ._recurring import _RECURRING_SIZE, _options_key, _recurring_calls, _remember, _state_calls
 from ._runtime import limit_blas_threads
 from ._state import State, finish
@@ -25,7 +31,7 @@ def _staged(x):
     return None if isinstance(x, np.ndarray) else x
 
 
-@entry_point
+@entry_point(lane=decode_lane)
 def tree_decode(
     q: Array,
     k: Array,
@@ -124,7 +130,7 @@ def tree_decode(
     --------
     >>> out = mpitree.tree_decode(q, k_shard, v_shard)  # doctest: +SKIP
     """
-    comm = check_comm(comm)
+    comm_arg, comm = comm, check_comm(comm)
     options = dict(strategy=strategy, scale=scale, deterministic=deterministic)
     options.update(validate=validate, node_size=node_size, block_size=block_size, invariant=True)
 
@@ -178,6 +184,9 @@ def tree_decode(
         records = merger.merge(local).reshape(*problem.row_shape, -1)
         return finish(records, q, return_lse, inputs=(q, k, v))
     records = merger.merge(step)
+    if key is not None and not return_lse:
+        scale = resolve_scale(scale, problem.head_dim)
+        keep_decode_lane(comm_arg, comm, call, merger, (q, k, v), scale, key, current_entry())
     return finish(records.reshape(*problem.row_shape, -1), q, return_lse, inputs=(q, k, v))
 
 
@@ -236,5 +245,5 @@ def allreduce_state(
 
     call, merger = agree_merger(comm, prepare)
     if key is not None and type(state) is State:
-        keep_lane(comm_arg, comm, call, merger, state.records, current_entry())
+        keep_state_lane(comm_arg, comm, call, merger, state.records, current_entry())
     return merged_state(merger, call.merge[0], state.records)

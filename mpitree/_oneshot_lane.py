@@ -1,17 +1,18 @@
-"""``allreduce_state``'s lane: a recurring call's agreement and merge in one compiled call.
+"""The one-shot calls' lanes: a recurring call's agreement and merge in one compiled call.
 
-A guarded :func:`~._oneshot.allreduce_state` whose call recurs (a ``State`` of the
-same shape and dtype, the same options, on the same communicator) leaves a
-:class:`_Lane`: the agreement vector that :func:`~._guard.agree` sent for it, and
-its merger's persistent all-reduce. A later such call runs in the entry point's
-lane (:func:`~._guard.entry_point`): one compiled call
-(``_native_oneshot.c``) makes the same agreement collective with the same vector,
-and only if every rank sent it, the merge. Ranks on the lane and ranks on the
-guarded path make the same collectives in the same order. Where the agreement's
-result differs (a rank failed its checks, ranks disagree, or the native op is
-not everywhere), :func:`~._guard.settle` finishes it as :func:`~._guard.agree`
-would have. Anything the lane cannot look up without raising sends the call to
-the guarded path before any collective.
+A guarded :func:`~._oneshot.allreduce_state` or :func:`~._oneshot.tree_decode`
+whose call recurs (the same shapes, strides, dtype and options, on the same
+communicator) leaves a :class:`_Lane`: the agreement vector that
+:func:`~._guard.agree` sent for it, its merger's persistent all-reduce, and for
+``tree_decode`` the bound kernel. A later such call runs in the entry point's lane
+(:func:`~._guard.entry_point`): one compiled call (``_native_oneshot.c``) makes the
+same agreement collective with the same vector and, only if every rank sent it,
+this rank's records (the state's, or the kernel's over the shard) and the merge.
+Ranks on the lane and ranks on the guarded path make the same collectives in the
+same order. Where the agreement's result differs (a rank failed its checks, ranks
+disagree, or the native op is not everywhere), :func:`~._guard.settle` finishes it
+as :func:`~._guard.agree` would have. Anything the lane cannot look up without
+raising sends the call to the guarded path before any collective.
 """
 
 from __future__ import annotations
@@ -25,19 +26,21 @@ from mpi4py import MPI
 
 from ._agreed import _recent, agreed_merger
 from ._guard import _encoding, _entry, raise_failure, settle
+from ._kernel import Prepared
 from ._library import OneShotArgs, address, native_lib
 from ._recurring import _options_key
 from ._runtime import FINALIZED, mpi_calls
-from ._state import State, trusted_state
+from ._state import State, finish, trusted_state
+from ._step import KernelSlot, _layout
 from ._traffic import traffic
 
-_lanes: dict = {}  # (id of the comm argument, records shape, dtype, options key) -> _Lane
+_lanes: dict = {}  # (id of the comm argument, layout, options key) -> _Lane
 _LANES_SIZE = 16
 _HANDLE_BYTES = {MPI._sizeof(MPI.Comm), MPI._sizeof(MPI.Datatype), MPI._sizeof(MPI.Op)}
 
 
 class _Lane:
-    """What a recurring ``allreduce_state`` needs to run in one compiled call."""
+    """What a recurring one-shot call needs to run in one compiled call."""
 
     __slots__ = (
         "args",
@@ -48,29 +51,24 @@ class _Lane:
         "comm_arg",
         "enc",
         "entry",
+        "kernel",
         "merger",
+        "rows",
         "sent",
     )
 
     def __init__(self, comm_arg, comm, entry, call, enc, merger, collective, cached):
         self.comm_arg, self.comm, self.entry = comm_arg, comm, entry
-        self.call, self.enc = call, enc
+        self.call, self.enc = dataclasses.replace(call, payload=None), enc  # holds no arrays
+        self.kernel, self.rows = None, None
         # held weakly, as agree_merger's kept mergers are: a freed communicator's or an
         # evicted merger's buffers are not kept here
-        self.merger, self.cache, self.cache_key = (
-            weakref.ref(merger),
-            weakref.ref(cached[0]),
-            cached[1],
-        )
+        self.merger, self.cache = weakref.ref(merger), weakref.ref(cached[0])
+        self.cache_key = cached[1]
         finalized, start, wait, request, flag = collective
         args = self.args = OneShotArgs()
-        args.finalized, args.start, args.wait, args.request, args.flag = (
-            finalized,
-            start,
-            wait,
-            request,
-            flag,
-        )
+        args.finalized, args.start, args.wait = finalized, start, wait
+        args.request, args.flag = request, flag
         args.records, args.nbytes = address(merger.records), merger.records.nbytes
         args.sent[:] = np.frombuffer(enc.sent, np.int64).tolist()
         self.sent = merger.buf.nbytes if start is not None else 0  # bytes counted per merge
@@ -81,19 +79,32 @@ class _Lane:
             args.int64_type = ctypes.c_int64(MPI._handleof(MPI.INT64_T)).value
             args.min_op = ctypes.c_int64(MPI._handleof(MPI.MIN)).value
 
+    def bind_kernel(self, prepared, rows):
+        """Bind ``tree_decode``'s kernel (a :class:`Prepared`) for query rows ``(B, Hq, Sq)``."""
+        self.kernel, self.rows = prepared, rows
+        self.args.kernel, self.args.scratch = prepared.args, address(prepared.scratch)
 
-def keep_lane(comm_arg, comm, call, merger, records, entry):
-    """After a guarded ``allreduce_state``: keep its lane, where its recurrence can take one.
+    def open(self):
+        """Return the merger, marked used, if the lane may run now; else None (never raises)."""
+        merger, cache = self.merger(), self.cache()
+        if merger is None or cache is None or not merger.alive or _entry.get() is not None:
+            return None
+        cache.move_to_end(self.cache_key)  # marked used, as the guarded path marks it
+        return merger
 
-    It can where the compiled library is there, the call has a key, it is the
-    outermost entry point (its agreement vector names it), every rank has the
-    native op, and the merger merges float32 records in one persistent all-reduce
-    (or there is one rank).
+    def count(self, code):
+        """Count the merge's bytes, as the guarded path does, if the compiled call merged."""
+        if self.sent and code <= 1:
+            traffic.add(self.sent)
+
+
+def _keep(key, comm_arg, comm, call, merger, entry):
+    """Keep a lane under ``key`` after a guarded call, where one can run; return it or None.
+
+    One can where the compiled library is there, the call is the outermost entry
+    point (its agreement vector names it), every rank has the native op, and the
+    merger merges float32 records in one persistent all-reduce (or there is one rank).
     """
-    key = (id(comm_arg), records.shape, records.dtype, call.key[2])
-    lane = _lanes.get(key)
-    if lane is not None and lane.merger() is merger and lane.comm_arg is comm_arg:
-        return
     enc = _encoding(entry, call)
     last = _recent.get(id(call.merge))
     if (
@@ -106,13 +117,46 @@ def keep_lane(comm_arg, comm, call, merger, records, entry):
         or last is None
         or last[3]() is not merger
     ):
-        return
+        return None
     collective = merger._impl.bound_collective()
     if collective is None or (collective[1] is not None and mpi_calls()[3] is None):
-        return
+        return None
     if len(_lanes) >= _LANES_SIZE:
         _lanes.clear()
-    _lanes[key] = _Lane(comm_arg, comm, entry, call, enc, merger, collective, last[4:6])
+    lane = _lanes[key] = _Lane(comm_arg, comm, entry, call, enc, merger, collective, last[4:6])
+    return lane
+
+
+def _kept(key, comm_arg, merger):
+    """Whether the lane under ``key`` is this call's already."""
+    lane = _lanes.get(key)
+    return lane is not None and lane.merger() is merger and lane.comm_arg is comm_arg
+
+
+def keep_state_lane(comm_arg, comm, call, merger, records, entry):
+    """After a guarded ``allreduce_state`` with a key: keep its lane where one can run."""
+    key = (id(comm_arg), records.shape, records.dtype, call.key[2])
+    if not _kept(key, comm_arg, merger):
+        _keep(key, comm_arg, comm, call, merger, entry)
+
+
+def keep_decode_lane(comm_arg, comm, call, merger, arrays, scale, options_key, entry):
+    """After a guarded ``tree_decode`` with an options key: keep its lane where one can run.
+
+    ``arrays`` are its checked ``(q, k, v)``, ``scale`` the resolved scale.
+    """
+    q, k, v = arrays
+    layout = _layout(q, k, v, None)
+    key = (id(comm_arg), layout, options_key)
+    if layout is None or _kept(key, comm_arg, merger):
+        return
+    rows = tuple(int(s) for s in q.shape[:3])
+    prepared = None if KernelSlot.prompt(*rows, int(k.shape[2])) else Prepared.of(q, k, v, scale)
+    if prepared is None:
+        return
+    lane = _keep(key, comm_arg, comm, call, merger, entry)
+    if lane is not None:
+        lane.bind_kernel(prepared, rows)
 
 
 def state_lane(state, comm=None, strategy="auto", *, deterministic=False, node_size=None):
@@ -130,34 +174,93 @@ def state_lane(state, comm=None, strategy="auto", *, deterministic=False, node_s
         if (
             lane is None
             or lane.comm_arg is not comm
-            or _entry.get() is not None
             or type(records) is not np.ndarray
             or not records.flags.c_contiguous
         ):
             return None
-        merger, cache = lane.merger(), lane.cache()
-        if merger is None or cache is None or not merger.alive:
+        merger = lane.open()
+        if merger is None:
             return None
-        cache.move_to_end(lane.cache_key)  # marked used, as the guarded path marks it
         out = np.empty(records.shape, np.float32)
         source, target = address(records), address(out)
     except Exception:  # nothing has communicated: the guarded path decides
         return None
-    if lane.sent:
-        traffic.add(lane.sent)
     code = _merge(lane.args, source, target)
+    lane.count(code)
     if code:
-        return _settled(lane, merger, code, records)
+        return _settled(lane, merger, code, lambda call: _merged_state(lane, call, records))
     return trusted_state(out)
 
 
+def decode_lane(
+    q,
+    k,
+    v,
+    comm=None,
+    *,
+    scale=None,
+    kv_len=None,
+    q_pos=None,
+    k_pos=None,
+    mask=None,
+    strategy="auto",
+    return_lse=False,
+    deterministic=False,
+    validate=False,
+    node_size=None,
+    block_size=None,
+    kv_start=None,
+    kv_blocks=None,
+):
+    """``tree_decode`` in one compiled call where its lane is kept; else None."""
+    if (
+        kv_len is not None
+        or q_pos is not None
+        or k_pos is not None
+        or mask is not None
+        or return_lse is not False
+        or validate is not False
+        or block_size is not None
+        or kv_start is not None
+        or kv_blocks is not None
+    ):
+        return None
+    try:
+        options = _options_key(strategy, scale, deterministic, node_size)
+        lane = _lanes.get((id(comm), _layout(q, k, v, None), options))
+        if lane is None or lane.comm_arg is not comm or lane.kernel is None:
+            return None
+        t = k.shape[2]
+        b, hq, sq = lane.rows
+        if v.shape[2] != t or (sq != 1 and KernelSlot.prompt(b, hq, sq, t)):
+            return None
+        merger = lane.open()
+        if merger is None:
+            return None
+        out = np.empty(q.shape, np.float32)
+        pointers = (address(q), address(k), address(v))
+        target = address(out)
+    except Exception:  # nothing has communicated: the guarded path decides
+        return None
+    code = _decode(lane.args, *pointers, t, target)
+    lane.count(code)
+    if code:
+        return _settled(lane, merger, code, lambda call: _decoded(lane, call, q, pointers, t))
+    return out
+
+
 def _merge(args, source, target):
-    """Run the compiled call (a module-level name, so that a test can count its calls)."""
+    """Run ``allreduce_state``'s compiled call (a module name, so that a test can count it)."""
     return native_lib().mpitree_oneshot_merge_f32(args, source, target)
 
 
-def _settled(lane, merger, code, records):
-    """Finish the lane's call after a nonzero code: raise on every rank, or merge as agreed."""
+def _decode(args, q, k, v, t, target):
+    """Run ``tree_decode``'s compiled call (a module name, so that a test can count it)."""
+    return native_lib().mpitree_oneshot_decode_f32(args, q, k, v, t, target)
+
+
+def _settled(lane, merger, code, merged):
+    """Finish the lane's call after a nonzero code: raise on every rank, or ``merged(call)``."""
     if code == 1:
         raise_failure(merger.comm, None)
     if code == 2:
@@ -165,10 +268,22 @@ def _settled(lane, merger, code, records):
     if code == 4:
         raise RuntimeError(FINALIZED)
     if code != 5:
-        raise RuntimeError(f"mpitree internal error: allreduce_state's lane returned {code}")
+        raise RuntimeError(f"mpitree internal error: a one-shot lane returned {code}")
     got = bytes(lane.args.got)
     call = settle(lane.comm, lane.entry, dataclasses.replace(lane.call), lane.enc, None, got)
+    return merged(call)
+
+
+def _merged_state(lane, call, records):
+    """Merge ``records`` as the guarded path does after an agreement that settled."""
     return merged_state(agreed_merger(lane.comm, call), call.merge[0], records)
+
+
+def _decoded(lane, call, q, pointers, t):
+    """Decode as the guarded path does after an agreement that settled."""
+    merger = agreed_merger(lane.comm, call)
+    records = merger.merge(lambda out: lane.kernel.run_raw(*pointers, t, address(out)))
+    return finish(records.reshape(*lane.rows, -1), q)
 
 
 def merged_state(merger, rows, records):

@@ -46,6 +46,15 @@ def arrays(b=2, hq=4, hkv=2, sq=1, d=8, t=5, dtype=np.float32, seed=0):
     return q, k, v
 
 
+def lanes_kept():
+    """Whether a one-shot call's lane is kept, or cannot be in this build."""
+    from mpitree import _oneshot_lane
+    from mpitree._library import native_lib
+    from mpitree._strategies.allreduce import _PERSISTENT_OK
+
+    return bool(_oneshot_lane._lanes) or not (native_lib() and _PERSISTENT_OK)
+
+
 def pick(bad, good, wrong):
     """``wrong`` on the bad rank when ``bad``, else ``good``."""
     return wrong if bad else good
@@ -62,7 +71,23 @@ def tree_decode_cases():
             kw.update(change)
         mpitree.tree_decode(**kw)
 
+    def kept(bad, **change):
+        """The bad call on one rank, the others' on the lane kept by two good calls."""
+        for _ in range(2):
+            call(False)
+        assert lanes_kept(), "no lane kept"
+        call(bad, **change)
+
     return {
+        "kept lane: q heads": lambda bad: kept(bad, q=arrays(hq=8)[0]),
+        "kept lane: kv dtype": lambda bad: kept(bad, k=arrays(dtype=np.float64)[1]),
+        "kept lane: K and V lengths differ": lambda bad: kept(bad, k=arrays(t=6)[1]),
+        "kept lane: kv_len too long": lambda bad: kept(bad, kv_len=np.array([2, 9])),
+        "kept lane: scale NaN": lambda bad: kept(bad, scale=float("nan")),
+        "kept lane: strategy differs": lambda bad: kept(bad, strategy="ring"),
+        "kept lane: validate NaN": lambda bad: kept(
+            bad, v=np.full((2, 2, 5, 8), np.nan, np.float32), validate=True
+        ),
         "q heads": lambda bad: call(bad, q=arrays(hq=8)[0]),
         "head dim": lambda bad: call(bad, q=arrays(d=16)[0]),
         "batch": lambda bad: call(bad, q=arrays(b=3)[0]),
@@ -194,13 +219,9 @@ def allreduce_state_cases():
 
     def kept(bad, **change):
         """The bad call on one rank, the others' on the lane kept by two good calls."""
-        from mpitree import _oneshot_lane
-        from mpitree._library import native_lib
-        from mpitree._strategies.allreduce import _PERSISTENT_OK
-
         for _ in range(2):
             call(False)
-        assert _oneshot_lane._lanes or not (native_lib() and _PERSISTENT_OK), "no lane kept"
+        assert lanes_kept(), "no lane kept"
         call(bad, **change)
 
     return {

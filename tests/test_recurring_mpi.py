@@ -271,6 +271,18 @@ def lane_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def decode_lane_calls(monkeypatch):
+    """Count ``tree_decode``'s lane calls on this rank, from no lane kept."""
+    from mpitree import _oneshot_lane
+
+    monkeypatch.setattr(_oneshot_lane, "_lanes", {})
+    calls = []
+    real = _oneshot_lane._decode
+    monkeypatch.setattr(_oneshot_lane, "_decode", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 def lane_expected(comm=None):
     """Whether a recurring float32 ``allreduce_state`` on ``comm`` can take its lane here."""
     from mpitree._library import native_lib
@@ -379,3 +391,52 @@ def test_allreduce_state_lane_only_for_the_outermost_call(lane_calls):
     every = np.stack(world().allgather(state.records)).astype(np.float64)
     assert_allclose(merged.records, merge_records(every), rtol=2e-6, atol=2e-6)
     assert len(lane_calls) == taken
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+@pytest.mark.parametrize("which", ["default", "world", "split"])
+def test_recurring_tree_decode_takes_its_lane_exactly(which, decode_lane_calls):
+    """From its second call on, a recurring decode is one compiled call: still exact.
+
+    A cache growing in place, uneven shards, rank 0's empty at first.
+    """
+    comm = {"default": None, "world": world(), "split": world().Split(world().rank == 0)}[which]
+    group = world() if comm is None else comm
+    steps = list(growing_cache(group, 5))
+    for q, k, v, ref in steps:
+        out = mpitree.tree_decode(q, k, v, comm)
+        assert_allclose(out, reference_attention(*ref)[0], atol=2e-5, rtol=0)
+        assert out.dtype == np.float32 and out.shape == q.shape
+    assert len(decode_lane_calls) == (len(steps) - 1 if lane_expected(group) else 0)
+    if which == "split":
+        comm.Free()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_tree_decode_lane_failures_reach_every_rank(decode_lane_calls):
+    """On a kept decode lane, one rank's bad input or a disagreement raises on every
+    rank; local options the lane does not take (return_lse, kv_len) run guarded beside
+    it; the lane goes on."""
+    comm = world()
+    last = comm.Get_size() - 1
+    *_, (q, k, v, ref) = growing_cache(comm, 4)
+    expected = reference_attention(*ref)[0]
+    for _ in range(3):
+        mpitree.tree_decode(q, k, v, comm)
+    taken = len(decode_lane_calls)
+    assert taken == (2 if lane_expected() else 0)
+    with pytest.raises(ValueError) as info:  # K and V lengths differ on the last rank
+        mpitree.tree_decode(q, k, v[:, :, 1:] if comm.rank == last else v, comm)
+    assert ("invalid input on rank" in str(info.value)) == (comm.rank != last)
+    with pytest.raises(ValueError, match="disagree on"):
+        mpitree.tree_decode(q, k, v, comm, scale=0.5 if comm.rank == 0 else None)
+    with pytest.raises(ValueError, match="disagree on"):
+        mpitree.tree_decode(q[:, :2].copy() if comm.rank == 0 else q, k, v, comm)
+    # the same call, its return_lse only on rank 0 (a local choice): merged alike
+    got = mpitree.tree_decode(q, k, v, comm, return_lse=comm.rank == 0)
+    assert_allclose(got[0] if comm.rank == 0 else got, expected, atol=2e-5, rtol=0)
+    lens = np.full(q.shape[0], k.shape[2]) if comm.rank == last else None  # local too
+    assert_allclose(mpitree.tree_decode(q, k, v, comm, kv_len=lens), expected, atol=2e-5, rtol=0)
+    assert_allclose(mpitree.tree_decode(q, k, v, comm), expected, atol=2e-5, rtol=0)
+    if lane_expected():  # each call's lane ran on the ranks whose own call could take it
+        assert len(decode_lane_calls) - taken == 2 * (comm.rank != last) + 3 * (comm.rank != 0) + 1
