@@ -54,6 +54,7 @@ class _Lane:
         "kernel",
         "merger",
         "rows",
+        "run",
         "sent",
     )
 
@@ -61,6 +62,7 @@ class _Lane:
         self.comm_arg, self.comm, self.entry = comm_arg, comm, entry
         self.call, self.enc = dataclasses.replace(call, payload=None), enc  # holds no arrays
         self.kernel, self.rows = None, None
+        self.run = native_lib().mpitree_oneshot_merge_f32  # allreduce_state's compiled call
         # held weakly, as agree_merger's kept mergers are: a freed communicator's or an
         # evicted merger's buffers are not kept here
         self.merger, self.cache = weakref.ref(merger), weakref.ref(cached[0])
@@ -82,6 +84,7 @@ class _Lane:
     def bind_kernel(self, prepared, rows):
         """Bind ``tree_decode``'s kernel (a :class:`Prepared`) for query rows ``(B, Hq, Sq)``."""
         self.kernel, self.rows = prepared, rows
+        self.run = native_lib().mpitree_oneshot_decode_f32
         self.args.kernel, self.args.scratch = prepared.args, address(prepared.scratch)
 
     def open(self):
@@ -185,7 +188,7 @@ def state_lane(state, comm=None, strategy="auto", *, deterministic=False, node_s
         source, target = address(records), address(out)
     except Exception:  # nothing has communicated: the guarded path decides
         return None
-    code = _merge(lane.args, source, target)
+    code = lane.run(lane.args, source, target)
     lane.count(code)
     if code:
         return _settled(lane, merger, code, lambda call: _merged_state(lane, call, records))
@@ -242,21 +245,11 @@ def decode_lane(
         target = address(out)
     except Exception:  # nothing has communicated: the guarded path decides
         return None
-    code = _decode(lane.args, *pointers, t, target)
+    code = lane.run(lane.args, *pointers, t, target)
     lane.count(code)
     if code:
         return _settled(lane, merger, code, lambda call: _decoded(lane, call, q, pointers, t))
     return out
-
-
-def _merge(args, source, target):
-    """Run ``allreduce_state``'s compiled call (a module name, so that a test can count it)."""
-    return native_lib().mpitree_oneshot_merge_f32(args, source, target)
-
-
-def _decode(args, q, k, v, t, target):
-    """Run ``tree_decode``'s compiled call (a module name, so that a test can count it)."""
-    return native_lib().mpitree_oneshot_decode_f32(args, q, k, v, t, target)
 
 
 def _settled(lane, merger, code, merged):

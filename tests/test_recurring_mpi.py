@@ -262,24 +262,25 @@ def lane_calls(monkeypatch):
 
     The test starts with no lane kept (earlier tests' calls left some).
     """
-    from mpitree import _oneshot_lane
-
-    monkeypatch.setattr(_oneshot_lane, "_lanes", {})
-    calls = []
-    real = _oneshot_lane._merge
-    monkeypatch.setattr(_oneshot_lane, "_merge", lambda *a: calls.append(1) or real(*a))
-    return calls
+    return counted_lane_calls(monkeypatch, "mpitree_oneshot_merge_f32")
 
 
 @pytest.fixture
 def decode_lane_calls(monkeypatch):
     """Count ``tree_decode``'s lane calls on this rank, from no lane kept."""
+    return counted_lane_calls(monkeypatch, "mpitree_oneshot_decode_f32")
+
+
+def counted_lane_calls(monkeypatch, name):
+    """Count the lanes' calls of compiled function ``name``, from no lane kept."""
     from mpitree import _oneshot_lane
+    from mpitree._library import native_lib
 
     monkeypatch.setattr(_oneshot_lane, "_lanes", {})
-    calls = []
-    real = _oneshot_lane._decode
-    monkeypatch.setattr(_oneshot_lane, "_decode", lambda *a: calls.append(1) or real(*a))
+    calls, lib = [], native_lib()
+    if lib is not None:  # a lane kept from now on takes the counting function
+        real = getattr(lib, name)
+        monkeypatch.setattr(lib, name, lambda *a: calls.append(1) or real(*a))
     return calls
 
 
