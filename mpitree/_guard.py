@@ -65,11 +65,13 @@ def entry_point(fn=None, *, lane=None):
 
     A ``lane`` (``@entry_point(lane=...)``) is tried first, with the same
     arguments, before all that: its result is the call's unless it is None, when
-    the guarded ``fn`` runs. It is for a call whose every check an earlier
-    agreement already made, such as a decode layer's one compiled call after its
-    step's first layer agreed: it runs no agreement, raises nothing before its
-    collective, and reaches MPI only through a compiled call that asks
-    ``MPI_Finalized`` itself (:meth:`Merger.merge_layer`).
+    the guarded ``fn`` runs (as it does when the arguments do not fit the lane's
+    signature, which is ``fn``'s: ``fn`` raises the ``TypeError``). A lane raises
+    nothing before its collective and reaches MPI only through a compiled call
+    that asks ``MPI_Finalized`` itself. It is for a call whose checks an earlier
+    agreement made: a decode layer's one compiled call after its step's first
+    layer agreed (:meth:`Merger.merge_layer`: no agreement), or a recurring
+    one-shot call (``_oneshot_lane``: the same agreement as ``fn``'s, in C).
     """
     if fn is None:
         return functools.partial(entry_point, lane=lane)
@@ -91,7 +93,12 @@ def entry_point(fn=None, *, lane=None):
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            out = lane(*args, **kwargs)
+            try:
+                out = lane(*args, **kwargs)
+            except TypeError as exc:
+                if exc.__traceback__.tb_next is not None:
+                    raise  # raised inside the lane, not by binding its arguments
+                out = None  # arguments that fit no call: the guarded function says why
             return guarded(*args, **kwargs) if out is None else out
 
     ENTRY_POINTS[name] = wrapper

@@ -22,13 +22,19 @@ typedef int (*allreduce_pointer_handles)(const void *, void *, int, void *, void
 /*
  * MPI_Finalized first (nothing else may run after MPI_Finalize), then the agreement
  * (skipped when allreduce is NULL: one rank): got = MIN over ranks of sent. Returns 0
- * (every rank sent this rank's vector), 2 (an MPI call returned the error code left
- * in mpi_error), 4 (MPI is finalized: nothing ran) or 5 (got differs from sent).
+ * (every rank sent this rank's vector), 4 (MPI is finalized: nothing ran), 5 (got
+ * differs from sent) or 6 (MPI_Finalized or the agreement returned the error code
+ * left in mpi_error).
  */
 static int agree(mpitree_oneshot *o)
 {
     int err, done = 1;
-    if (o->finalized(&done) != 0 || done)
+    err = o->finalized(&done);
+    if (err != 0) {
+        o->mpi_error = err;
+        return 6;
+    }
+    if (done)
         return 4;
     if (o->allreduce == NULL)
         return 0;
@@ -41,7 +47,7 @@ static int agree(mpitree_oneshot *o)
             (void *)(intptr_t)o->comm);
     if (err != 0) {
         o->mpi_error = err;
-        return 2;
+        return 6;
     }
     return memcmp(o->sent, o->got, sizeof o->sent) != 0 ? 5 : 0;
 }
@@ -69,9 +75,10 @@ static int merge(mpitree_oneshot *o)
 /*
  * allreduce_state: the agreement, then nbytes of in into the records, the merge, and
  * the merged records into out. Returns 0 (out written), 1 (a rank's flag is set: out
- * untouched), 2 (an MPI error, in mpi_error), 4 (MPI is finalized: nothing ran) or 5
- * (the agreement's result, in got, is not sent: nothing else ran; the caller reads got
- * as agree does).
+ * untouched), 2 (the merge's MPI error, in mpi_error), 4 (MPI is finalized: nothing
+ * ran), 5 (the agreement's result, in got, is not sent: nothing else ran; the caller
+ * reads got as agree does) or 6 (the agreement's MPI error, in mpi_error: nothing
+ * else ran). Codes 0 to 2: every rank agreed and the merge ran.
  */
 int mpitree_oneshot_merge_f32(mpitree_oneshot *o, const void *in, void *out)
 {

@@ -25,6 +25,9 @@ from ._runtime import limit_blas_threads
 from ._state import State, finish
 from ._step import _layout, prepare_attention
 
+# the entry points' own names: a lane is kept only from an outermost call
+_DECODE_ENTRY, _STATE_ENTRY = f"{__name__}.tree_decode", f"{__name__}.allreduce_state"
+
 
 def _staged(x):
     """``x`` if its records must be staged from a device, else None."""
@@ -184,9 +187,10 @@ def tree_decode(
         records = merger.merge(local).reshape(*problem.row_shape, -1)
         return finish(records, q, return_lse, inputs=(q, k, v))
     records = merger.merge(step)
-    if key is not None and not return_lse:
+    entry = current_entry()
+    if key is not None and not return_lse and entry == _DECODE_ENTRY:
         scale = resolve_scale(scale, problem.head_dim)
-        keep_decode_lane(comm_arg, comm, call, merger, (q, k, v), scale, key, current_entry())
+        keep_decode_lane(comm_arg, comm, call, merger, (q, k, v), scale, key, entry)
     return finish(records.reshape(*problem.row_shape, -1), q, return_lse, inputs=(q, k, v))
 
 
@@ -244,6 +248,7 @@ def allreduce_state(
         return call
 
     call, merger = agree_merger(comm, prepare)
-    if key is not None and type(state) is State:
-        keep_state_lane(comm_arg, comm, call, merger, state.records, current_entry())
+    entry = current_entry()
+    if key is not None and type(state) is State and entry == _STATE_ENTRY:
+        keep_state_lane(comm_arg, comm, call, merger, state.records, entry)
     return merged_state(merger, call.merge[0], state.records)

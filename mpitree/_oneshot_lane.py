@@ -24,6 +24,7 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
+from . import _traffic
 from ._agreed import _recent, agreed_merger
 from ._guard import _encoding, _entry, raise_failure, settle
 from ._kernel import Prepared
@@ -76,10 +77,12 @@ class _Lane:
         self.sent = merger.buf.nbytes if start is not None else 0  # bytes counted per merge
         if start is not None:
             args.allreduce = mpi_calls()[3]
-            args.handle_bytes = MPI._sizeof(MPI.Comm)
-            args.comm = ctypes.c_int64(MPI._handleof(comm)).value
-            args.int64_type = ctypes.c_int64(MPI._handleof(MPI.INT64_T)).value
-            args.min_op = ctypes.c_int64(MPI._handleof(MPI.MIN)).value
+            args.handle_bytes = size = MPI._sizeof(MPI.Comm)
+            # as the C type's value: a 4-byte handle as a signed int, so C converts it exactly
+            signed = ctypes.c_int32 if size == 4 else ctypes.c_int64
+            args.comm = signed(MPI._handleof(comm)).value
+            args.int64_type = signed(MPI._handleof(MPI.INT64_T)).value
+            args.min_op = signed(MPI._handleof(MPI.MIN)).value
 
     def bind_kernel(self, prepared, rows):
         """Bind ``tree_decode``'s kernel (a :class:`Prepared`) for query rows ``(B, Hq, Sq)``."""
@@ -88,31 +91,46 @@ class _Lane:
         self.args.kernel, self.args.scratch = prepared.args, address(prepared.scratch)
 
     def open(self):
-        """Return the merger, marked used, if the lane may run now; else None (never raises)."""
-        merger, cache = self.merger(), self.cache()
-        if merger is None or cache is None or not merger.alive or _entry.get() is not None:
-            return None
-        cache.move_to_end(self.cache_key)  # marked used, as the guarded path marks it
-        return merger
+        """Return ``(merger, its cache)`` if the lane may run now; else None (never raises).
 
-    def count(self, code):
-        """Count the merge's bytes, as the guarded path does, if the compiled call merged."""
-        if self.sent and code <= 1:
-            traffic.add(self.sent)
+        It may not inside another entry point, or while a :func:`phase_times` block
+        is open (the guarded path's phases are the ones timed).
+        """
+        merger, cache = self.merger(), self.cache()
+        if (
+            merger is None
+            or cache is None
+            or not merger.alive
+            or _entry.get() is not None
+            or _traffic._dicts
+        ):
+            return None
+        return merger, cache
+
+    def close(self, code, cache):
+        """Mark the merger used and count its bytes where every rank agreed (codes 0 to 2).
+
+        As the guarded path does after its agreement: every rank marks it, so that
+        their caches evict alike.
+        """
+        if code <= 2:
+            cache.move_to_end(self.cache_key)
+            if self.sent:
+                traffic.add(self.sent)
 
 
 def _keep(key, comm_arg, comm, call, merger, entry):
     """Keep a lane under ``key`` after a guarded call, where one can run; return it or None.
 
-    One can where the compiled library is there, the call is the outermost entry
-    point (its agreement vector names it), every rank has the native op, and the
-    merger merges float32 records in one persistent all-reduce (or there is one rank).
+    One can where the compiled library is there, every rank has the native op, and
+    the merger merges float32 records in one persistent all-reduce (or there is one
+    rank). The caller keeps one only for an outermost call: its agreement vector
+    names the entry point, and a lane runs only outside every other.
     """
     enc = _encoding(entry, call)
     last = _recent.get(id(call.merge))
     if (
         native_lib() is None
-        or _entry.get() != entry
         or not call.native
         or enc.native != call.native
         or merger.buf.dtype != np.float32
@@ -181,15 +199,16 @@ def state_lane(state, comm=None, strategy="auto", *, deterministic=False, node_s
             or not records.flags.c_contiguous
         ):
             return None
-        merger = lane.open()
-        if merger is None:
+        opened = lane.open()
+        if opened is None:
             return None
+        merger, cache = opened
         out = np.empty(records.shape, np.float32)
         source, target = address(records), address(out)
     except Exception:  # nothing has communicated: the guarded path decides
         return None
     code = lane.run(lane.args, source, target)
-    lane.count(code)
+    lane.close(code, cache)
     if code:
         return _settled(lane, merger, code, lambda call: _merged_state(lane, call, records))
     return trusted_state(out)
@@ -237,16 +256,17 @@ def decode_lane(
         b, hq, sq = lane.rows
         if v.shape[2] != t or (sq != 1 and KernelSlot.prompt(b, hq, sq, t)):
             return None
-        merger = lane.open()
-        if merger is None:
+        opened = lane.open()
+        if opened is None:
             return None
+        merger, cache = opened
         out = np.empty(q.shape, np.float32)
         pointers = (address(q), address(k), address(v))
         target = address(out)
     except Exception:  # nothing has communicated: the guarded path decides
         return None
     code = lane.run(lane.args, *pointers, t, target)
-    lane.count(code)
+    lane.close(code, cache)
     if code:
         return _settled(lane, merger, code, lambda call: _decoded(lane, call, q, pointers, t))
     return out
@@ -256,7 +276,7 @@ def _settled(lane, merger, code, merged):
     """Finish the lane's call after a nonzero code: raise on every rank, or ``merged(call)``."""
     if code == 1:
         raise_failure(merger.comm, None)
-    if code == 2:
+    if code in (2, 6):
         raise MPI.Exception(lane.args.mpi_error)
     if code == 4:
         raise RuntimeError(FINALIZED)
@@ -283,6 +303,6 @@ def merged_state(merger, rows, records):
     """Return a new :class:`State` of ``records`` ``(..., D + 2)`` merged by ``merger``."""
 
     def fill(out):
-        out[...] = records.reshape(rows, -1)
+        out[...] = records.reshape(rows, records.shape[-1])
 
     return trusted_state(merger.merge(fill).reshape(records.shape).copy())

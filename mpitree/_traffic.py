@@ -162,6 +162,9 @@ def phase_times(times=None):
     - ``"local"``: a transformers layer's checked local step (when that adapter
       is imported before the first open block starts).
 
+    Inside a block, a recurring one-shot call does not take its lane (one
+    compiled call): it takes its guarded path, whose phases are these.
+
     Not timed: the sharded-prefill collectives (``allgather_rows``,
     ``reduce_scatter_records``), a ``flagged_allreduce`` outside a merger,
     numpy's local attention (no compiled kernel), and any of these reached

@@ -1,5 +1,6 @@
 """One-shot calls that recur with one layout reuse their checks: still exact, still guarded."""
 
+import contextlib
 import gc
 import weakref
 
@@ -387,9 +388,16 @@ def test_allreduce_state_lane_only_for_the_outermost_call(lane_calls):
     token = _guard._entry.set("tests.outer")
     try:
         merged = mpitree.allreduce_state(state)
+        nested = mpitree.State(random_records(4, (2, 5, 10)))  # a layout of its own
+        for _ in range(3):  # a nested call keeps no lane: its vector names the outer call
+            mpitree.allreduce_state(nested)
     finally:
         _guard._entry.reset(token)
     every = np.stack(world().allgather(state.records)).astype(np.float64)
+    assert_allclose(merged.records, merge_records(every), rtol=2e-6, atol=2e-6)
+    assert len(lane_calls) == taken
+    merged = mpitree.allreduce_state(nested)  # outermost, guarded here, beside any rank
+    every = np.stack(world().allgather(nested.records)).astype(np.float64)
     assert_allclose(merged.records, merge_records(every), rtol=2e-6, atol=2e-6)
     assert len(lane_calls) == taken
 
@@ -441,3 +449,70 @@ def test_tree_decode_lane_failures_reach_every_rank(decode_lane_calls):
     assert_allclose(mpitree.tree_decode(q, k, v, comm), expected, atol=2e-5, rtol=0)
     if lane_expected():  # each call's lane ran on the ranks whose own call could take it
         assert len(decode_lane_calls) - taken == 2 * (comm.rank != last) + 3 * (comm.rank != 0) + 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("failure", ["rows differ", "bad input"])
+def test_a_failed_call_on_a_lane_keeps_every_ranks_mergers_alike(failure, lane_calls):
+    """A failed agreement marks no merger used on any rank, on a lane or not: after it,
+    a new merger evicts the same one everywhere, and nothing hangs (a lane that marked
+    its merger before the agreement made the ranks evict different ones)."""
+    comm = world().Dup()  # a communicator of its own: 16 mergers, none of other tests
+
+    def state(rows):
+        return mpitree.State(random_records(rows, (rows, 10)))
+
+    for rows in range(1, 17):  # 16 mergers, each with a lane; rows=1's the least recent
+        for _ in range(2):
+            mpitree.allreduce_state(state(rows), comm)
+    with pytest.raises((TypeError, ValueError)):  # every rank; ranks 1... on rows=2's lane
+        if failure == "rows differ":
+            mpitree.allreduce_state(state(1 if comm.rank == 0 else 2), comm)
+        else:
+            mpitree.allreduce_state(state(2).records if comm.rank == 0 else state(2), comm)
+    mpitree.allreduce_state(state(17), comm)  # evicts rows=1's merger on every rank
+    mine = state(1)
+    merged = mpitree.allreduce_state(mine, comm)
+    every = np.stack(comm.allgather(mine.records)).astype(np.float64)
+    assert_allclose(merged.records, merge_records(every), rtol=2e-6, atol=2e-6)
+    comm.Free()
+
+
+@pytest.mark.parallel(nprocs=[1, 2])
+def test_one_shot_lanes_keep_the_guarded_calls_errors_counts_and_phases(lane_calls):
+    """Arguments that fit no call raise the entry point's TypeError, not the lane's; a
+    lane call counts the guarded call's bytes; inside phase_times the guarded path runs,
+    and its phases are timed."""
+    from mpitree import extend
+
+    comm = world()
+    state = mpitree.State(random_records(5))
+    for _ in range(2):
+        mpitree.allreduce_state(state, comm)
+    with pytest.raises(TypeError, match="allreduce_state"):
+        mpitree.allreduce_state(state, comm, "auto", True)
+    with pytest.raises(TypeError, match="allreduce_state"):
+        mpitree.allreduce_state(state, comm, bogus=1)
+    *_, (q, k, v, _) = growing_cache(comm, 3)
+    with pytest.raises(TypeError, match="tree_decode"):
+        mpitree.tree_decode(q, k, v, comm, "auto")
+    counts = []
+    for lane in (True, False):
+        extend.traffic.reset()
+        with extend.phase_times() if not lane else contextlib.nullcontext() as times:
+            taken = len(lane_calls)
+            mpitree.allreduce_state(state, comm)
+        counts.append((extend.traffic.bytes, extend.traffic.calls))
+        assert len(lane_calls) - taken == (lane and lane_expected())
+    assert counts[0] == counts[1]
+    assert comm.Get_size() == 1 or counts[0][1] == 1
+    assert {"agreement", "merge"} <= set(times)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_allreduce_state_of_no_rows():
+    """A State with no rows merges to one with no rows (its reshape raised)."""
+    for _ in range(3):
+        merged = mpitree.allreduce_state(mpitree.State.empty((0,), 8), world())
+        assert merged.records.shape == (0, 10)
