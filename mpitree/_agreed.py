@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections import OrderedDict
 
 from . import _merger
 from ._guard import agree
 from ._invariant_merger import InvariantMerger
-from ._merger import Merger, cache_key, merger_for
+from ._merger import Merger, _staging, cache_key, merger_for
 from ._options import INVARIANT
 from ._strategies import resolve
 
@@ -60,8 +61,29 @@ def agree_merger(comm, prepare, *, like=None, owned=False):
     Exception
         On every rank, as :func:`agree` raises.
     """
-    call = agree(comm, prepare)
+    call = agree(comm, prepare if like is None else _staged(prepare, like))
     return call, agreed_merger(comm, call, like=like, owned=owned)
+
+
+def _staged(prepare, like):
+    """Wrap ``prepare``: its call's signature also names how ``like``'s records are staged.
+
+    A merger is cached per staging (host, or the framework's device), so ranks whose
+    arrays live in different places would look up different mergers: one rank
+    building one (a collective) while another starts its cached one would hang.
+    Agreed, they raise. The device's index is not agreed: each rank may use its own.
+    """
+
+    def staged():
+        call = prepare()
+        kind = _staging(like)
+        if kind is None:
+            return call
+        kind = (kind[0], str(kind[1]).split(":")[0]) if kind[0] == "torch" else kind[:1]
+        key = None if call.key is None else (call.key, kind)
+        return dataclasses.replace(call, signature={**call.signature, "staging": kind}, key=key)
+
+    return staged
 
 
 def agreed_merger(comm, call, *, like=None, owned=False):

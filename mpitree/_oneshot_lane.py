@@ -12,7 +12,9 @@ Ranks on the lane and ranks on the guarded path make the same collectives in the
 same order. Where the agreement's result differs (a rank failed its checks, ranks
 disagree, or the native op is not everywhere), :func:`~._guard.settle` finishes it
 as :func:`~._guard.agree` would have. Anything the lane cannot look up without
-raising sends the call to the guarded path before any collective.
+raising sends the call to the guarded path before any collective. As a plan's bound
+kernel does, a lane keeps the kernel chosen when it was kept (``MPITREE_LOCAL_KERNEL``
+is read then).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ._step import KernelSlot, _layout
 from ._traffic import traffic
 
 _lanes: dict = {}  # (id of the comm argument, layout, options key) -> _Lane
+_seen: dict = {}  # the keys of calls seen once: a lane is kept when one comes again
 _LANES_SIZE = 16
 _HANDLE_BYTES = {MPI._sizeof(MPI.Comm), MPI._sizeof(MPI.Datatype), MPI._sizeof(MPI.Op)}
 
@@ -148,16 +151,27 @@ def _keep(key, comm_arg, comm, call, merger, entry):
     return lane
 
 
-def _kept(key, comm_arg, merger):
-    """Whether the lane under ``key`` is this call's already."""
+def _wanted(key, comm_arg, merger):
+    """Whether a call under ``key`` should keep a lane: it recurs, and has none yet.
+
+    The first call of a key only marks it seen: a loop whose every call has a new
+    layout (a cache reallocated as it grows) builds no lane in vain.
+    """
     lane = _lanes.get(key)
-    return lane is not None and lane.merger() is merger and lane.comm_arg is comm_arg
+    if lane is not None and lane.merger() is merger and lane.comm_arg is comm_arg:
+        return False
+    if key in _seen:
+        return True
+    if len(_seen) >= _LANES_SIZE:
+        _seen.clear()
+    _seen[key] = None
+    return False
 
 
 def keep_state_lane(comm_arg, comm, call, merger, records, entry):
     """After a guarded ``allreduce_state`` with a key: keep its lane where one can run."""
     key = (id(comm_arg), records.shape, records.dtype, call.key[2])
-    if not _kept(key, comm_arg, merger):
+    if _wanted(key, comm_arg, merger):
         _keep(key, comm_arg, comm, call, merger, entry)
 
 
@@ -169,7 +183,7 @@ def keep_decode_lane(comm_arg, comm, call, merger, arrays, scale, options_key, e
     q, k, v = arrays
     layout = _layout(q, k, v, None)
     key = (id(comm_arg), layout, options_key)
-    if layout is None or _kept(key, comm_arg, merger):
+    if layout is None or not _wanted(key, comm_arg, merger):
         return
     rows = tuple(int(s) for s in q.shape[:3])
     prepared = None if KernelSlot.prompt(*rows, int(k.shape[2])) else Prepared.of(q, k, v, scale)
@@ -182,6 +196,8 @@ def keep_decode_lane(comm_arg, comm, call, merger, arrays, scale, options_key, e
 
 def state_lane(state, comm=None, strategy="auto", *, deterministic=False, node_size=None):
     """``allreduce_state`` in one compiled call where its lane is kept; else None."""
+    if not _lanes:
+        return None
     try:
         records = state.records if type(state) is State else None
         lane = _lanes.get(
@@ -236,7 +252,8 @@ def decode_lane(
 ):
     """``tree_decode`` in one compiled call where its lane is kept; else None."""
     if (
-        kv_len is not None
+        not _lanes
+        or kv_len is not None
         or q_pos is not None
         or k_pos is not None
         or mask is not None
