@@ -218,16 +218,12 @@ def state_lane(state, comm=None, strategy="auto", *, deterministic=False, node_s
         opened = lane.open()
         if opened is None:
             return None
-        merger, cache = opened
         out = np.empty(records.shape, np.float32)
-        source, target = address(records), address(out)
+        pointers = (address(records), address(out))
     except Exception:  # nothing has communicated: the guarded path decides
         return None
-    code = lane.run(lane.args, source, target)
-    lane.close(code, cache)
-    if code:
-        return _settled(lane, merger, code, lambda call: _merged_state(lane, call, records))
-    return trusted_state(out)
+    settled = _run(lane, opened, pointers, lambda call: _merged_state(lane, call, records))
+    return trusted_state(out) if settled is None else settled
 
 
 def decode_lane(
@@ -276,17 +272,27 @@ def decode_lane(
         opened = lane.open()
         if opened is None:
             return None
-        merger, cache = opened
         out = np.empty(q.shape, np.float32)
         pointers = (address(q), address(k), address(v))
         target = address(out)
     except Exception:  # nothing has communicated: the guarded path decides
         return None
-    code = lane.run(lane.args, *pointers, t, target)
+    settled = _run(
+        lane, opened, (*pointers, t, target), lambda call: _decoded(lane, call, q, pointers, t)
+    )
+    return out if settled is None else settled
+
+
+def _run(lane, opened, arguments, merged):
+    """Run the lane's compiled call on ``arguments``; None if it merged, else settle it.
+
+    ``opened`` is :meth:`_Lane.open`'s; after a nonzero code every rank raises, or
+    (the native op not everywhere) ``merged(call)`` is the call's result.
+    """
+    merger, cache = opened
+    code = lane.run(lane.args, *arguments)
     lane.close(code, cache)
-    if code:
-        return _settled(lane, merger, code, lambda call: _decoded(lane, call, q, pointers, t))
-    return out
+    return _settled(lane, merger, code, merged) if code else None
 
 
 def _settled(lane, merger, code, merged):
