@@ -209,11 +209,15 @@ DECODER = (
 def test_a_cut_link_is_bounded_by_mpich_timeouts():
     # node 1's link goes down mid-decode. Nothing in the network notices (no packet comes
     # back to say so): alone, every rank and mpiexec wait forever (measured: > 60 s). Two
-    # MPICH controls bound it: MPIR_CVAR_PROGRESS_TIMEOUT makes every rank that waits that
-    # long in MPI raise (both nodes' ranks: all exit, measured ~2x the setting), and hydra's
+    # MPICH controls bound it. MPIR_CVAR_PROGRESS_TIMEOUT=T: a call that waits T s prints its
+    # pending requests and at 2T fails, so every rank exits about 2T after the cut (both
+    # nodes' ranks). In about one run in ten here one rank's failure came back carrying
+    # MPICH's fatal bit: MPICH aborted that rank instead of raising, and the abort took
+    # another 2T (4T in all: 4 of 43 runs here, and once in CI). Hydra's
     # MPIEXEC_TIMEOUT ends mpiexec, which would otherwise wait on the cut-off node's proxy,
     # at a wall-clock limit counted from the start (measured: 1x to 2.5x the setting)
-    env = {**ENV, "MPIR_CVAR_PROGRESS_TIMEOUT": "8", "MPIEXEC_TIMEOUT": "20"}
+    t, w = 8, 20
+    env = {**ENV, "MPIR_CVAR_PROGRESS_TIMEOUT": str(t), "MPIEXEC_TIMEOUT": str(w)}
     with Cluster(2, link="1gbit") as cluster:
         tag = cluster.tag
         start = time.monotonic()
@@ -227,17 +231,19 @@ def test_a_cut_link_is_bounded_by_mpich_timeouts():
         pids = [int(r[2]) for r in ranks]
         cluster.cut_link(1)
         cut = time.monotonic()
-        while any(alive(p) for p in pids) and time.monotonic() - cut < 30:
+        while any(alive(p) for p in pids) and time.monotonic() - cut < 4 * t + 10:
             time.sleep(0.1)
         ranks_gone = time.monotonic() - cut
         out, err = job.communicate(timeout=60)
         elapsed = time.monotonic() - start
         print(f"ranks gone {ranks_gone:.1f} s after the cut, mpiexec {elapsed:.1f} s after start")
-    assert not any(alive(p) for p in pids)  # every rank ended itself, before any teardown
-    assert ranks_gone < 2 * 8 + 10, ranks_gone
-    assert "mpi4py.MPI.Exception" in err, err[-2000:]  # the live node's ranks raised
-    assert job.returncode != 0 and "TIMED OUT" in out + err, (job.returncode, out[-500:])
-    assert elapsed < 2 * 20 + 15, elapsed
+    assert not any(alive(p) for p in pids)  # every rank ended before any teardown
+    aborted = "Abort(" in err  # MPICH aborted a rank whose timeout came back fatal
+    assert "Progress TIMEOUT" in err or not aborted, err[-3000:]
+    assert ranks_gone < (4 if aborted else 2) * t + 10, (ranks_gone, err[-3000:])
+    assert "mpi4py.MPI.Exception" in err or aborted, err[-3000:]  # the live node's ranks
+    assert job.returncode != 0 and ("TIMED OUT" in out + err or aborted), (out[-500:], err[-3000:])
+    assert elapsed < 2.5 * w + 15, elapsed
     assert leftovers(tag) == []
 
 
