@@ -60,6 +60,18 @@ def paper_allreduce3(comm, buf):
     return run
 
 
+def baseline_compat(pkg, plan):
+    """Return ``plan``'s merger and the bound-kernel class of ``pkg``, however old.
+
+    Trees from fe6c268 (issue 25's start) on: those before ``extend.plan_merger`` and
+    ``extend.Prepared`` kept them as private names.
+    """
+    if hasattr(pkg.extend, "plan_merger"):
+        return pkg.extend.plan_merger(plan), pkg.extend.Prepared
+    kernel = importlib.import_module(f"{pkg.__name__}._kernel")
+    return plan._merger, kernel.Prepared
+
+
 def package_methods(pkg, comm, shape, keys, rank):
     """Return (methods, cleanup) timing ``pkg`` (mpitree, or a copy under another name)."""
     b, hq, hkv, sq, dim = shape
@@ -70,12 +82,12 @@ def package_methods(pkg, comm, shape, keys, rank):
     v = rng.standard_normal((b, hkv, keys, dim), dtype=np.float32)
     state = pkg.State(rng.standard_normal((b, hq, sq, dim + 2)).astype(np.float32))
     plan = pkg.DecodePlan(b, hq, hkv, dim, q_len=sq, comm=comm)
-    merger = pkg.extend.plan_merger(plan)
+    merger, prepared_class = baseline_compat(pkg, plan)
     paper = pkg.extend.Merger(comm, rows, dim, "float32", "allreduce3")
     for buf in (merger.buf, paper.buf):
         buf[:-1] = rng.standard_normal((rows, dim + 2))
     records = np.empty((rows, dim + 2), np.float32)
-    prepared = pkg.extend.Prepared.of(q, k, v, plan.scale)
+    prepared = prepared_class.of(q, k, v, plan.scale)
 
     def noop(rec):
         return None
@@ -201,8 +213,7 @@ def main():
         "--baseline",
         metavar="PACKAGE",
         help="also time a copy of mpitree importable under another name (e.g. an older "
-        "commit exported as mpitree_before; one whose mpitree.extend has plan_merger "
-        "and Prepared), interleaved in the same loop",
+        "commit exported as mpitree_before, fe6c268 or later), interleaved in the same loop",
     )
     args = parser.parse_args()
     comm = mpitree.default_comm()

@@ -26,6 +26,14 @@ ALLOWED = {
         "fills a ShardedCache with random K/V of a given length without running a "
         "prefill (no public call seeds a cache with given K/V)"
     ),
+    ("merge_cost.py", "plan._merger"): (
+        "a --baseline tree older than extend.plan_merger (from fe6c268, issue 25's "
+        "start) has no public name for a plan's merger"
+    ),
+    ("layer_cost.py", "mpitree._kernel.Prepared"): (
+        "a tree older than extend.Prepared (from fe6c268, issue 25's start) has no "
+        "public name for its bound kernel; the benchmark times any tree"
+    ),
     ("jax_decode.py", "mpitree.adapters._jax_baseline"): (
         "the module name under which an older adapters/jax.py file is loaded beside "
         "the current adapter for an A/B: a name of the benchmark's own, not a reach "

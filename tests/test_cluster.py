@@ -214,7 +214,7 @@ def test_a_cut_link_is_bounded_by_mpich_timeouts():
     # nodes' ranks), raising mpi4py.MPI.Exception. Where the wait that timed out was the
     # receive half of a send-receive inside a collective, MPICH makes the error fatal
     # (MPIC_Sendrecv: MPIR_ERR_POPFATAL) and aborts that rank instead, which took another
-    # 2T (4T in all: 4 of 43 runs here, and once in CI). Hydra's MPIEXEC_TIMEOUT ends
+    # 2T (4T in all: 5 of 75 runs here, and once in CI). Hydra's MPIEXEC_TIMEOUT ends
     # mpiexec, which would otherwise wait on the cut-off node's proxy, at a wall-clock limit
     # counted from the start (measured: 1x to 2.5x the setting)
     t, w = 8, 20
