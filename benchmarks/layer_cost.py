@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import transformers
 from mpi4py import MPI
+from tiny_llama import tiny_llama  # this folder: the model, written once
 
 import mpitree
 
@@ -58,19 +59,8 @@ def main():
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
-    cfg = transformers.LlamaConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=args.layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=args.context + args.steps + args.warmup + 8,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(1, 1024, (1, args.context), generator=torch.Generator().manual_seed(1))
+    positions = args.context + args.steps + args.warmup + 8
+    cfg, model, ids = tiny_llama(args.layers, args.context, positions)
     cache = mtt.ShardedCache(cfg)
     model.set_attn_implementation("mpitree")
     mtt.prefill(model, ids, cache)
