@@ -4,14 +4,16 @@ The same random-weight Llama as ``decode_overhead.py`` (8 query / 2 KV heads,
 D = 32, float32, one thread a rank) decodes over a ``ShardedCache``; the one
 timer wraps the attention function transformers calls, so the figures hold for
 any commit of mpitree put first on ``PYTHONPATH`` (``decode_overhead.py``'s
-finer timers need the current ``mpitree.extend``). Before each step every rank
-also times the tree's C kernel alone on a shard of the same shape (its third
-call in a row: warm) and a bare ``MPI.SUM`` all-reduce of the merge's bytes.
+finer timers need the current ``mpitree.extend``). After each step every rank
+also times the tree's C kernel alone over as many keys as its shard held in that
+step (random K/V; the third call in a row: warm) and a bare ``MPI.SUM``
+all-reduce of the merge's bytes.
 Prints the slowest rank's medians: a step's first layer (it runs the step's
 agreement), its later layers, the kernel, the all-reduce, and a later layer's
-overhead (call - kernel - all-reduce). At ``--context 16`` the kernel is a few
-microseconds, so the call is nearly all overhead; at longer contexts the kernel
-runs on caches the dense layers cooled, and the warm kernel alone understates it.
+overhead (call - kernel - all-reduce). At a short ``--context`` the kernel is a
+few microseconds, so the call is nearly all overhead; at longer contexts the
+kernel inside the call runs on caches the dense layers cooled, and the warm
+kernel alone understates it (the overhead then includes that difference).
 
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/layer_cost.py --context 16
     PYTHONPATH=OLD_TREE .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/layer_cost.py
@@ -76,31 +78,33 @@ def main():
 
     funcs["mpitree"] = outer
     rng = np.random.default_rng(comm.rank)
-    shard = -(-args.context // comm.size)
     q = rng.standard_normal((1, 8, 1, 32), dtype=np.float32)
-    k, v = rng.standard_normal((2, 1, 2, shard, 32), dtype=np.float32)
+    k, v = rng.standard_normal((2, 1, 2, positions, 32), dtype=np.float32)  # any shard fits
     records, merged = np.empty((8, 34), np.float32), np.zeros((9, 34), np.float32)
-    kernel = kernel_class().of(q, k, v, 32**-0.5)
+    kernel = kernel_class().of(q, k, v, 32**-0.5)  # bound once; each run may be shorter
     tok, kernels, sums = ids[:, -1:], [], []
     for i in range(args.warmup + args.steps):
-        kernel.run(q, k, v, None, records)
-        kernel.run(q, k, v, None, records)
-        comm.Barrier()
-        t0 = time.perf_counter_ns()
-        kernel.run(q, k, v, None, records)
-        t1 = time.perf_counter_ns()
-        if comm.size > 1:
-            comm.Allreduce(MPI.IN_PLACE, merged, op=MPI.SUM)
-        t2 = time.perf_counter_ns()
         comm.Barrier()
         seen = len(calls)
         with torch.no_grad():
             model(input_ids=tok, cache=cache, use_cache=True)
+        t = cache.layers[0].keys.shape[2]  # this rank's shard, as the step's layers saw it
+        kt, vt = k[:, :, :t], v[:, :, :t]
+        kernel.run(q, kt, vt, None, records)
+        kernel.run(q, kt, vt, None, records)
+        t0 = time.perf_counter_ns()
+        kernel.run(q, kt, vt, None, records)
+        t1 = time.perf_counter_ns()
+        comm.Barrier()
+        t2 = time.perf_counter_ns()
+        if comm.size > 1:
+            comm.Allreduce(MPI.IN_PLACE, merged, op=MPI.SUM)
+        t3 = time.perf_counter_ns()
         if i < args.warmup:
             del calls[seen:]
         else:
             kernels.append(t1 - t0)
-            sums.append(t2 - t1 if comm.size > 1 else 0)
+            sums.append(t3 - t2 if comm.size > 1 else 0)
     first = statistics.median(t for layer, t in calls if layer == 0)
     later = statistics.median(t for layer, t in calls if layer > 0)
     mine = np.array([first, later, statistics.median(kernels), statistics.median(sums)]) / 1e3
