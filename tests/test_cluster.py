@@ -242,7 +242,8 @@ def test_a_cut_link_is_bounded_by_mpich_timeouts():
             time.sleep(0.1)
         out, err = job.communicate(timeout=60)
         elapsed = time.monotonic() - start
-        print(f"cut at {cut - start:.1f} s; ranks gone after it {gone}; mpiexec {elapsed:.1f} s")
+        ends = {r: round(s, 1) for r, s in sorted(gone.items())}
+        print(f"cut at {cut - start:.1f} s; ranks gone after it {ends}; mpiexec {elapsed:.1f} s")
     report = (cut - start, gone, elapsed, job.returncode, out[-1500:], err[-3000:])
     assert not any(alive(p) for p in pids.values()), report  # all ended before any teardown
     assert sorted(gone) == [0, 1, 2, 3] and max(gone.values()) < 4 * t + 10, report
