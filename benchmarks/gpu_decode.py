@@ -79,6 +79,8 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU: torch.cuda.is_available() is False")
     comm = MPI.COMM_WORLD
     dtype = DTYPES[args.dtype]
     hq, hkv = (int(x) for x in args.heads.split(","))

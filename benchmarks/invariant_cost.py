@@ -97,6 +97,10 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    blocks = [int(b) for b in args.blocks.split(",")]
+    if any(b < 1 or args.tokens % b for b in blocks):
+        # every rank parses the same arguments, so every rank stops here alike
+        parser.error(f"--tokens {args.tokens} must be a multiple of every block size {blocks}")
     comm = default_comm()
     if comm.rank == 0:
         print(
@@ -108,7 +112,7 @@ def main():
             f"{'inv':>7} {'ratio':>6} {'merge':>7} {'inv':>7} {'ratio':>6} "
             f"{'bytes':>7} {'inv':>7}"
         )
-    for block in (int(b) for b in args.blocks.split(",")):
+    for block in blocks:
         for grid, offset in (("aligned", 0), ("off-grid", block)):
             for _ in range(args.rounds):
                 m, sent, most = measure(comm, args.tokens, block, offset, args.steps)

@@ -35,7 +35,7 @@ from collections import defaultdict
 import mpitree.adapters.transformers as mtt
 import torch
 import transformers
-from decode_overhead import TIMES, timed  # this folder: the timers, written once
+from decode_overhead import NOW, TIMES, timed  # this folder: the timers, written once
 from mpi4py import MPI
 
 from mpitree import spec
@@ -120,11 +120,12 @@ def main():
         if n >= 4 and (n - 1) % 2 == 0:
             cases.append((f"tree {n}", packed_step(tree(n, cfg.vocab_size, n), pending)))
     instrument()
+    times = TIMES[NOW[0]]  # the timers' one variant here: name -> durations
     steps = defaultdict(list)
     parts = defaultdict(lambda: defaultdict(list))
 
     def run(name, packed):
-        TIMES.clear()
+        times.clear()
         comm.Barrier()
         start = time.perf_counter()
         with torch.no_grad():
@@ -135,9 +136,9 @@ def main():
         elapsed = time.perf_counter() - start
         if packed is None:
             cache.crop(-1)
-        return elapsed, {k: sum(v) for k, v in TIMES.items()}
+        return elapsed, {k: sum(v) for k, v in times.items()}
 
-    with phase_times(TIMES):  # mpitree's timers: the local step, the kernel, the collective
+    with phase_times(times):  # mpitree's timers: the local step, the kernel, the collective
         for i in range(args.warmup + args.steps):
             for name, packed in cases if i % 2 else cases[::-1]:
                 elapsed, split = run(name, packed)

@@ -1,0 +1,105 @@
+"""Every benchmark runs: each ``benchmarks/*.py`` once, at a tiny size, on real ranks.
+
+The figures are not checked (timings are never tests); what is checked is that the
+script ends with exit status 0 and prints its table's last line, so a change to
+mpitree or to a helper two benchmarks share cannot leave one that no longer runs.
+A benchmark that needs what this machine lacks runs under the marker that skips it
+(``cuda``, ``cluster``). A new benchmark must join ``RUNS``, or a test fails.
+"""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launch import run
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+HELPERS = {"tiny_llama.py"}  # imported by benchmarks, not run alone
+
+#: benchmark -> (ranks, its arguments, a regular expression its output must match)
+RUNS = {
+    "decode_overhead.py": (
+        2,
+        "--context 64 --steps 5 --warmup 2 --layers 2 --unfused --c-timers",
+        r"C timers, guarded, one call, 2 rank\(s\): .*overhead \(call - both\) [\d.]+",
+    ),
+    "layer_cost.py": (
+        2,
+        "--steps 5 --warmup 2 --layers 2",
+        r"p = 2, context 16; .*later layer's overhead -?[\d.]+",
+    ),
+    "merge_cost.py": (
+        2,
+        "--shapes tiny --iters 5 --warmup 2 --rounds 1",
+        r"paper 3 / plan merge +[\d.]+x",
+    ),
+    "plan_overhead.py": (2, "--tokens 256 --steps 5 --rounds 1", r"\n +256 +0 +[\d.]+ +[\d.]+"),
+    "invariant_cost.py": (
+        2,
+        "--tokens 512 --blocks 256 --steps 3 --rounds 1",
+        r"\n +256 +off-grid +[\d.]+",
+    ),
+    "kernel_bw.py": (1, "--tokens 1024 --steps 2 --rounds 1", r"MHA 16/16 +all"),
+    "module_walk.py": (2, "", r"a later layer +modules +\d+ +returns to a module left +\d+"),
+    "jax_decode.py": (2, "--keys 256 --iters 3 --warmup 1", r"jax jit, local only +[\d.]+"),
+    "tree_verify.py": (
+        2,
+        "--context 512 --hidden 256 --intermediate 128 --nodes 2,5 --steps 2 --warmup 1",
+        r"chain 5: fully rejected [\d.]+x a plain step; perfect depth 4",
+    ),
+    "real_speculative.py": (
+        2,
+        "--new-tokens 8 --repeats 1 --tasks copying",
+        r"copying .* identical",
+    ),
+    "e2e.py": (  # launches its own ranks
+        1,
+        "--contexts 256 --ranks 2 --new-tokens 4 --json {tmp}/e2e.jsonl",
+        r"\n +256 +2 .* equal",
+    ),
+    "cluster_links.py": (  # makes its own nodes and launches its own ranks
+        1,
+        "--rates 1gbit --tokens 4096 --steps 3 --ring-steps 2 --rounds 1 --probe-mb 4",
+        r"ring / tree: step [\d.]+x",
+    ),
+    "gpu_decode.py": (2, "--tokens 4096 --steps 3 --warmup 1", r"\ntree_decode +[\d.]+ +[\d.]+"),
+}
+MARKS = {"cluster_links.py": pytest.mark.cluster, "gpu_decode.py": pytest.mark.cuda}
+
+
+def test_every_benchmark_is_run():
+    scripts = {p.name for p in BENCHMARKS.glob("*.py")} - HELPERS
+    assert scripts == set(RUNS), f"add to RUNS: {sorted(scripts - set(RUNS))}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=MARKS.get(n, ())) for n in sorted(RUNS)])
+def test_benchmark_runs(name, tmp_path):
+    ranks, args, expect = RUNS[name]
+    argv = [sys.executable, str(BENCHMARKS / name), *args.format(tmp=tmp_path).split()]
+    if ranks == 1:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=280, cwd=ROOT)
+    else:
+        res = run(ranks, argv, timeout=280)
+    output = res.stdout + res.stderr
+    assert res.returncode == 0, output[-3000:]
+    assert re.search(expect, res.stdout), res.stdout[-3000:]
+
+
+def test_gpu_benchmark_without_a_gpu_says_so():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        return  # the cuda-marked run above covers it
+    res = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_decode.py")], capture_output=True, text=True
+    )
+    assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr, res.stderr
+
+
+def test_invariant_benchmark_refuses_tokens_off_the_block_grid():
+    res = run(2, [sys.executable, str(BENCHMARKS / "invariant_cost.py"), "--tokens", "256"])
+    assert res.returncode != 0, res.stdout
+    assert "must be a multiple of every block size" in res.stderr, res.stderr
