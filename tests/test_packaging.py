@@ -155,6 +155,21 @@ def test_soak_example_short_run_and_bad_arguments():
     assert res.returncode == 2 and "--warmup (5) < --steps (5)" in res.stderr
 
 
+def test_spec_verify_example():
+    res = run(3, [sys.executable, "examples/spec_verify.py"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "packed into 35 nodes" in res.stdout, res.stdout
+    assert float(res.stdout.split("reference| = ")[1]) < 1e-12, res.stdout
+
+
+def test_every_example_is_run_by_a_test():
+    tests = "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    missing = [
+        p.name for p in (ROOT / "examples").glob("*.py") if f"examples/{p.name}" not in tests
+    ]
+    assert not missing, f"no test runs {missing}"
+
+
 def test_energy_example():
     res = run(3, [sys.executable, "examples/energy.py"])
     assert res.returncode == 0, res.stdout + res.stderr
