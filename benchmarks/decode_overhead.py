@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import transformers
 from mpi4py import MPI
+from timers import timed  # this folder: the timer, written once
 from tiny_llama import tiny_llama  # this folder: the model, written once
 
 from mpitree import extend
@@ -50,18 +51,9 @@ TIMES = {"one call": defaultdict(list), "unfused": defaultdict(list)}
 NOW = ["one call"]  # the variant being timed
 
 
-def timed(name, fn):
-    """Wrap ``fn`` so each call's duration is appended to ``TIMES[NOW[0]][name]``."""
-
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            TIMES[NOW[0]][name].append(time.perf_counter() - start)
-
-    wrapper.__wrapped__ = fn
-    return wrapper
+def now():
+    """Return the dict of the variant being timed: name -> durations (seconds)."""
+    return TIMES[NOW[0]]
 
 
 def per_step(times, steps):
@@ -122,8 +114,8 @@ def main():
         with torch.no_grad():
             dynamic = model(ids, use_cache=True).cache
     funcs = transformers.AttentionInterface._global_mapping
-    timed_call = funcs["mpitree"] = timed("mpitree call", funcs["mpitree"])
-    funcs["sdpa"] = timed("sdpa call", funcs["sdpa"])
+    timed_call = funcs["mpitree"] = timed("mpitree call", funcs["mpitree"], now)
+    funcs["sdpa"] = timed("sdpa call", funcs["sdpa"], now)
     tok = ids[:, -1:]
 
     def step(impl, c):

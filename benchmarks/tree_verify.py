@@ -22,12 +22,17 @@ it costs ``verify(n) / plain``; a perfect chain of depth n - 1 commits n tokens
 tokens/s (the commit of the accepted K/V and the argmax, not timed here, are
 small next to a step).
 
+With ``--whole`` no timer runs inside the attention call, and each step is split only
+into the attention call and the rest: so is any tree older than
+``mpitree.extend.phase_times`` timed (``PYTHONPATH=OLD_TREE``), and the two compare alike.
+
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/tree_verify.py --context 16384
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections import defaultdict
@@ -35,21 +40,34 @@ from collections import defaultdict
 import mpitree.adapters.transformers as mtt
 import torch
 import transformers
-from decode_overhead import NOW, TIMES, timed  # this folder: the timers, written once
 from mpi4py import MPI
+from timers import timed  # this folder: the timer, written once
 
-from mpitree import spec
-from mpitree.extend import phase_times
+from mpitree import extend, spec
 
 LLAMA8B_ATTENTION = dict(
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0
 )
 
 
+TIMES = defaultdict(list)  # name -> durations (seconds) within one step
+
+
 def instrument():
     """Put a timer on the attention call; mpitree's own time the rest (``phase_times``)."""
     funcs = transformers.AttentionInterface._global_mapping
-    funcs["mpitree"] = timed("call", funcs["mpitree"])
+    funcs["mpitree"] = timed("call", funcs["mpitree"], lambda: TIMES)
+
+
+def split_timers(wanted):
+    """Return (timers, on): mpitree's timers of the kernel and the collective, or none.
+
+    None where not wanted or where the tree is older than ``extend.phase_times``
+    (issue 25's start): its steps and attention calls are then timed whole.
+    """
+    if wanted and hasattr(extend, "phase_times"):
+        return extend.phase_times(TIMES), True
+    return contextlib.nullcontext(), False
 
 
 def fill_cache(cfg, context, seed=2):
@@ -96,6 +114,12 @@ def main():
     parser.add_argument("--nodes", default="2,4,5,8", help="chain lengths (nodes) to verify")
     parser.add_argument("--steps", type=int, default=15, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
+    parser.add_argument(
+        "--whole",
+        action="store_true",
+        help="no timers inside the attention call (their cost is not in the steps): what "
+        "a tree older than extend.phase_times gets, so that two trees compare alike",
+    )
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
@@ -120,12 +144,11 @@ def main():
         if n >= 4 and (n - 1) % 2 == 0:
             cases.append((f"tree {n}", packed_step(tree(n, cfg.vocab_size, n), pending)))
     instrument()
-    times = TIMES[NOW[0]]  # the timers' one variant here: name -> durations
     steps = defaultdict(list)
     parts = defaultdict(lambda: defaultdict(list))
 
     def run(name, packed):
-        times.clear()
+        TIMES.clear()
         comm.Barrier()
         start = time.perf_counter()
         with torch.no_grad():
@@ -136,9 +159,10 @@ def main():
         elapsed = time.perf_counter() - start
         if packed is None:
             cache.crop(-1)
-        return elapsed, {k: sum(v) for k, v in times.items()}
+        return elapsed, {k: sum(v) for k, v in TIMES.items()}
 
-    with phase_times(times):  # mpitree's timers: the local step, the kernel, the collective
+    timers, split_known = split_timers(not args.whole)
+    with timers:  # mpitree's timers: the local step, the kernel, the collective
         for i in range(args.warmup + args.steps):
             for name, packed in cases if i % 2 else cases[::-1]:
                 elapsed, split = run(name, packed)
@@ -170,28 +194,38 @@ def main():
         "interleaved rounds; ms per step (ratio to the plain step)"
     )
     print(
-        f"  {'step':<10} {'whole':>14} {'kernel':>14} {'collective':>12} "
+        f"  {'step':<10} {'whole':>14} {'attention':>10} {'kernel':>14} {'collective':>11} "
         f"{'attn Python':>12} {'rest (dense)':>14} {'rest/node':>10}"
     )
     for name, m in med.items():
-        att_py = m["call"] - m["kernel"] - m["collective"]
         rest = m["step"] - m["call"]
         nodes_n = 1 if name == "plain" else int(name.split()[1])
         extra = (rest - (base["step"] - base["call"])) / max(nodes_n - 1, 1)
+        if split_known:
+            att_py = m["call"] - m["kernel"] - m["collective"]
+            split = (
+                f" {m['kernel'] * 1e3:>6.1f} ({m['kernel'] / base['kernel']:.2f}x)"
+                f" {m['collective'] * 1e3:>11.2f} {att_py * 1e3:>12.2f}"
+            )
+        else:
+            split = f" {'-':>14} {'-':>11} {'-':>12}"
         print(
             f"  {name:<10} {m['step'] * 1e3:>7.1f} ({m['step'] / base['step']:.2f}x)"
-            f" {m['kernel'] * 1e3:>6.1f} ({m['kernel'] / base['kernel']:.2f}x)"
-            f" {m['collective'] * 1e3:>11.2f} {att_py * 1e3:>12.2f}"
+            f" {m['call'] * 1e3:>10.1f}{split}"
             f" {rest * 1e3:>7.1f} ({rest / (base['step'] - base['call']):.2f}x)"
             f" {extra * 1e3 if nodes_n > 1 else 0:>9.2f}"
         )
     for n in nodes:
         v = med.get(f"chain {n}")
         if v:
+            att = (
+                f"attention (kernel + collective) {attention(v) / attention(base):.2f}x"
+                if split_known
+                else f"attention call {v['call'] / base['call']:.2f}x"
+            )
             print(
                 f"  chain {n}: fully rejected {v['step'] / base['step']:.2f}x a plain step; "
-                f"perfect depth {n - 1}: {n * base['step'] / v['step']:.2f}x plain tokens/s; "
-                f"attention (kernel + collective) {attention(v) / attention(base):.2f}x"
+                f"perfect depth {n - 1}: {n * base['step'] / v['step']:.2f}x plain tokens/s; " + att
             )
 
 

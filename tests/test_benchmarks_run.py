@@ -17,7 +17,7 @@ from launch import run
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
-HELPERS = {"tiny_llama.py"}  # imported by benchmarks, not run alone
+HELPERS = {"tiny_llama.py", "timers.py"}  # imported by benchmarks, not run alone
 
 #: benchmark -> (ranks, its arguments, a regular expression its output must match)
 RUNS = {
