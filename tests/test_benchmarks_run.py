@@ -42,6 +42,11 @@ RUNS = {
         "--tokens 512 --blocks 256 --steps 3 --rounds 1",
         r"\n +256 +off-grid +[\d.]+",
     ),
+    "dense_rows.py": (
+        1,
+        "--hidden 256 --kv 64 --intermediate 128 --vocab 128 --rows 2 --big 16 --rounds 3",
+        r"\n +2 +[\d.]+ +[\d.]+x",
+    ),
     "kernel_bw.py": (1, "--tokens 1024 --steps 2 --rounds 1", r"MHA 16/16 +all"),
     "module_walk.py": (2, "", r"a later layer +modules +\d+ +returns to a module left +\d+"),
     "jax_decode.py": (2, "--keys 256 --iters 3 --warmup 1", r"jax jit, local only +[\d.]+"),
