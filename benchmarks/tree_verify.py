@@ -59,15 +59,18 @@ def instrument():
     funcs["mpitree"] = timed("call", funcs["mpitree"], lambda: TIMES)
 
 
-def split_timers(wanted):
+def split_timers(whole, parser):
     """Return (timers, on): mpitree's timers of the kernel and the collective, or none.
 
-    None where not wanted or where the tree is older than ``extend.phase_times``
-    (issue 25's start): its steps and attention calls are then timed whole.
+    None with ``--whole``: steps and attention calls are then timed whole. A tree
+    older than ``extend.phase_times`` (issue 25's start) has no split: without
+    ``--whole`` that is an error, never a table with the split silently left out.
     """
-    if wanted and hasattr(extend, "phase_times"):
-        return extend.phase_times(TIMES), True
-    return contextlib.nullcontext(), False
+    if whole:
+        return contextlib.nullcontext(), False
+    if not hasattr(extend, "phase_times"):
+        parser.error("this mpitree has no extend.phase_times (a tree before it): use --whole")
+    return extend.phase_times(TIMES), True
 
 
 def fill_cache(cfg, context, seed=2):
@@ -161,7 +164,7 @@ def main():
             cache.crop(-1)
         return elapsed, {k: sum(v) for k, v in TIMES.items()}
 
-    timers, split_known = split_timers(not args.whole)
+    timers, split_known = split_timers(args.whole, parser)
     with timers:  # mpitree's timers: the local step, the kernel, the collective
         for i in range(args.warmup + args.steps):
             for name, packed in cases if i % 2 else cases[::-1]:

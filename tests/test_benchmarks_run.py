@@ -47,13 +47,18 @@ RUNS = {
         "--hidden 256 --kv 64 --intermediate 128 --vocab 128 --rows 2 --big 16 --rounds 3",
         r"\n +2 +[\d.]+ +[\d.]+x",
     ),
-    "kernel_bw.py": (1, "--tokens 1024 --steps 2 --rounds 1", r"MHA 16/16 +all"),
+    "kernel_bw.py": (
+        1,
+        "--tokens 1024 --steps 2 --rounds 1",
+        r"MHA 16/16 +all +ratio \d+%\.\.\d+%",
+    ),
     "module_walk.py": (2, "", r"a later layer +modules +\d+ +returns to a module left +\d+"),
     "jax_decode.py": (2, "--keys 256 --iters 3 --warmup 1", r"jax jit, local only +[\d.]+"),
     "tree_verify.py": (
         2,
         "--context 512 --hidden 256 --intermediate 128 --nodes 2,5 --steps 2 --warmup 1",
-        r"chain 5: fully rejected [\d.]+x a plain step; perfect depth 4",
+        r"chain 5: fully rejected [\d.]+x a plain step; perfect depth 4: [\d.]+x plain "
+        r"tokens/s; attention \(kernel \+ collective\) [\d.]+x",
     ),
     "real_speculative.py": (
         2,
@@ -72,7 +77,11 @@ RUNS = {
     ),
     "gpu_decode.py": (2, "--tokens 4096 --steps 3 --warmup 1", r"\ntree_decode +[\d.]+ +[\d.]+"),
 }
-MARKS = {"cluster_links.py": pytest.mark.cluster, "gpu_decode.py": pytest.mark.cuda}
+MARKS = {
+    "cluster_links.py": pytest.mark.cluster,
+    "gpu_decode.py": pytest.mark.cuda,
+    "real_speculative.py": pytest.mark.realmodel,
+}
 
 
 def test_every_benchmark_is_run():
@@ -84,6 +93,10 @@ def test_every_benchmark_is_run():
 @pytest.mark.parametrize("name", [pytest.param(n, marks=MARKS.get(n, ())) for n in sorted(RUNS)])
 def test_benchmark_runs(name, tmp_path):
     ranks, args, expect = RUNS[name]
+    if name == "gpu_decode.py":  # a CUDA device seen by CuPy alone is not torch's
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("cuda-marked: torch sees no CUDA device")
     argv = [sys.executable, str(BENCHMARKS / name), *args.format(tmp=tmp_path).split()]
     if ranks == 1:
         res = subprocess.run(argv, capture_output=True, text=True, timeout=280, cwd=ROOT)
@@ -92,6 +105,15 @@ def test_benchmark_runs(name, tmp_path):
     output = res.stdout + res.stderr
     assert res.returncode == 0, output[-3000:]
     assert re.search(expect, res.stdout), res.stdout[-3000:]
+
+
+def test_tree_verify_whole_times_steps_whole():
+    """``--whole``: no split columns, the attention call's ratio instead."""
+    args = "--context 512 --hidden 256 --intermediate 128 --nodes 5 --steps 2 --warmup 1 --whole"
+    res = run(2, [sys.executable, str(BENCHMARKS / "tree_verify.py"), *args.split()], timeout=280)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert re.search(r"chain 5: fully rejected [\d.]+x .* attention call [\d.]+x", res.stdout)
+    assert "kernel + collective" not in res.stdout, res.stdout
 
 
 def test_gpu_benchmark_without_a_gpu_says_so():
