@@ -59,18 +59,13 @@ def instrument():
     funcs["mpitree"] = timed("call", funcs["mpitree"], lambda: TIMES)
 
 
-def split_timers(whole, parser):
-    """Return (timers, on): mpitree's timers of the kernel and the collective, or none.
+def check_split(parser, whole):
+    """Refuse a tree older than ``extend.phase_times`` unless ``--whole``, before any work.
 
-    None with ``--whole``: steps and attention calls are then timed whole. A tree
-    older than ``extend.phase_times`` (issue 25's start) has no split: without
-    ``--whole`` that is an error, never a table with the split silently left out.
+    Its table would leave the split out (fe6c268, issue 25's start, is such a tree).
     """
-    if whole:
-        return contextlib.nullcontext(), False
-    if not hasattr(extend, "phase_times"):
+    if not whole and not hasattr(extend, "phase_times"):
         parser.error("this mpitree has no extend.phase_times (a tree before it): use --whole")
-    return extend.phase_times(TIMES), True
 
 
 def fill_cache(cfg, context, seed=2):
@@ -124,6 +119,7 @@ def main():
         "a tree older than extend.phase_times gets, so that two trees compare alike",
     )
     args = parser.parse_args()
+    check_split(parser, args.whole)
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
     cfg = transformers.LlamaConfig(
@@ -164,8 +160,8 @@ def main():
             cache.crop(-1)
         return elapsed, {k: sum(v) for k, v in TIMES.items()}
 
-    timers, split_known = split_timers(args.whole, parser)
-    with timers:  # mpitree's timers: the local step, the kernel, the collective
+    # mpitree's timers: the local step, the kernel, the collective
+    with contextlib.nullcontext() if args.whole else extend.phase_times(TIMES):
         for i in range(args.warmup + args.steps):
             for name, packed in cases if i % 2 else cases[::-1]:
                 elapsed, split = run(name, packed)
@@ -204,7 +200,7 @@ def main():
         rest = m["step"] - m["call"]
         nodes_n = 1 if name == "plain" else int(name.split()[1])
         extra = (rest - (base["step"] - base["call"])) / max(nodes_n - 1, 1)
-        if split_known:
+        if not args.whole:
             att_py = m["call"] - m["kernel"] - m["collective"]
             split = (
                 f" {m['kernel'] * 1e3:>6.1f} ({m['kernel'] / base['kernel']:.2f}x)"
@@ -223,7 +219,7 @@ def main():
         if v:
             att = (
                 f"attention (kernel + collective) {attention(v) / attention(base):.2f}x"
-                if split_known
+                if not args.whole
                 else f"attention call {v['call'] / base['call']:.2f}x"
             )
             print(

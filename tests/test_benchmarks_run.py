@@ -7,9 +7,11 @@ A benchmark that needs what this machine lacks runs under the marker that skips 
 (``cuda``, ``cluster``). A new benchmark must join ``RUNS``, or a test fails.
 """
 
+import argparse
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -112,8 +114,25 @@ def test_tree_verify_whole_times_steps_whole():
     args = "--context 512 --hidden 256 --intermediate 128 --nodes 5 --steps 2 --warmup 1 --whole"
     res = run(2, [sys.executable, str(BENCHMARKS / "tree_verify.py"), *args.split()], timeout=280)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    assert re.search(r"chain 5: fully rejected [\d.]+x .* attention call [\d.]+x", res.stdout)
+    assert re.search(r"chain 5: fully rejected [\d.]+x .* attention call [\d.]+x", res.stdout), (
+        res.stdout
+    )
     assert "kernel + collective" not in res.stdout, res.stdout
+
+
+def test_tree_verify_refuses_a_tree_without_the_split_unless_whole(monkeypatch):
+    """A tree older than ``extend.phase_times``: an error without ``--whole``, none with it."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import tree_verify
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    monkeypatch.setattr(tree_verify, "extend", types.SimpleNamespace())  # no phase_times
+    parser = argparse.ArgumentParser(prog="tree_verify.py")
+    tree_verify.check_split(parser, whole=True)
+    with pytest.raises(SystemExit) as exit_:
+        tree_verify.check_split(parser, whole=False)
+    assert exit_.value.code == 2
 
 
 def test_gpu_benchmark_without_a_gpu_says_so():

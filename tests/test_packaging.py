@@ -163,15 +163,45 @@ def test_spec_verify_example():
     assert float(res.stdout.split("reference| = ")[1]) < 1e-12, res.stdout
 
 
+def example_names_run(tree):
+    """Return the example files a test module names in a list, a call or a path it builds.
+
+    Strings elsewhere (docstrings, comments, messages) do not count.
+    """
+    named = set()
+    for expr in (n for n in ast.walk(tree) if isinstance(n, (ast.List, ast.Call, ast.BinOp))):
+        strings = [
+            n.value
+            for n in ast.iter_child_nodes(expr)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)
+        ]
+        for text in strings:  # "examples/x.py"
+            named.update(re.findall(r"\bexamples/([\w-]+\.py)\b", text))
+    for node in ast.walk(tree):  # ROOT / "examples" / "x.py": (ROOT / "examples") / "x.py"
+        if (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.left, ast.BinOp)
+            and isinstance(node.left.right, ast.Constant)
+            and node.left.right.value == "examples"
+            and isinstance(node.right, ast.Constant)
+            and isinstance(node.right.value, str)
+        ):
+            named.add(node.right.value)
+    return named
+
+
 def test_every_example_is_run_by_a_test():
-    """Each examples/*.py is named by a string in a test's code (a comment does not count)."""
+    """Each examples/*.py is named in a test's code: a list, a call, a path (not a docstring)."""
     named = set()
     for path in (ROOT / "tests").glob("test_*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                named.update(re.findall(r"\bexamples/(\w+\.py)\b", node.value))
+        named |= example_names_run(ast.parse(path.read_text()))
     missing = sorted({p.name for p in (ROOT / "examples").glob("*.py")} - named)
     assert not missing, f"no test runs {missing}"
+    docstring = ast.parse('def test_x():\n    """examples/energy.py: later."""\n')
+    assert not example_names_run(docstring)
+    assert example_names_run(ast.parse('run(2, [ROOT / "examples" / "energy.py"])')) == {
+        "energy.py"
+    }
 
 
 def test_energy_example():
