@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -164,6 +165,15 @@ def main():
         for idx, took in calls[1:] if keep else ():
             fast = cache.layers[idx].fast
             call = None if fast is None else fast.bound.call
+            if fast is not None and fast.bound.merger is None:  # every rank alike
+                if comm.rank == 0:
+                    print(
+                        "decode_overhead.py: --c-timers times each later layer's one compiled "
+                        "call, which this MPI does not run (its all-reduce is not persistent: "
+                        "Open MPI runs two calls); run without --c-timers",
+                        file=sys.stderr,
+                    )
+                raise SystemExit(2)
             if call is None or call.kernel_ns < 0:
                 raise RuntimeError("a later layer did not run its one compiled call")
             clocks.append((took, call.kernel_ns * 1e-9, call.collective_ns * 1e-9))
