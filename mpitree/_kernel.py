@@ -459,7 +459,8 @@ class BoundLayer:
         self._keep = (*keep, scratch)
         self._ref = ctypes.byref(call)
         self._attend, self._finish = lib.mpitree_layer_attend_f32, lib.mpitree_layer_finish_f32
-        self.step, self.merger = functools.partial(lib.mpitree_layer_step_f32, self._ref), None
+        step = functools.partial(lib.mpitree_layer_step_f32, ctypes.addressof(call))
+        self.step, self.merger = step, None
 
     @classmethod
     def of(cls, shape, kv_heads, k, v, records, scale, keep=()):

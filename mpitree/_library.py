@@ -150,7 +150,9 @@ def _load():
         lib.mpitree_layer_finish_f32.restype = None
         lib.mpitree_layer_finish_f32.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_void_p]
         lib.mpitree_layer_step_f32.restype = ctypes.c_int
-        lib.mpitree_layer_step_f32.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_void_p]
+        # the struct by address (BoundLayer.step): every later decode layer calls this, and an
+        # int converts to c_void_p in about 2/3 of a pointer argument's type check
+        lib.mpitree_layer_step_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.mpitree_oneshot_merge_f32.restype = ctypes.c_int
         lib.mpitree_oneshot_merge_f32.argtypes = [ctypes.POINTER(OneShotArgs)]
         lib.mpitree_oneshot_merge_f32.argtypes += [ctypes.c_void_p] * 2

@@ -155,11 +155,18 @@ def test_a_steps_later_layers_run_in_the_lane_past_the_guard(monkeypatch):
 STEPS = 6  # one token a step, blocks of 2: at p = 3 the last rank's keys start at step 4
 
 
-def by_hand(q_of, scaling_of=lambda step, layer: None, mask_of=lambda step: None, nan_at=None):
+def by_hand(
+    q_of,
+    scaling_of=lambda step, layer: None,
+    mask_of=lambda step: None,
+    nan_at=None,
+    kw_of=lambda step, layer: {},
+):
     """Model steps by hand over two layers; return the outputs and the new values.
 
     ``q_of(step, layer)`` is the query, ``mask_of(step)`` the step's mask (every
-    layer's), ``nan_at`` the step whose new key of kv head 0 is NaN.
+    layer's), ``nan_at`` the step whose new key of kv head 0 is NaN, ``kw_of(step,
+    layer)`` the call's further keyword arguments.
     """
     torch.manual_seed(0)
     cache = mtt.ShardedCache(tiny_llama().config, block_size=2)
@@ -173,7 +180,13 @@ def by_hand(q_of, scaling_of=lambda step, layer: None, mask_of=lambda step: None
             keys, values = cache.update(k, v, layer)
             with torch.no_grad():
                 out, _ = mtt.attention_interface(
-                    None, q_of(step, layer), keys, values, mask, scaling_of(step, layer)
+                    None,
+                    q_of(step, layer),
+                    keys,
+                    values,
+                    mask,
+                    scaling_of(step, layer),
+                    **kw_of(step, layer),
                 )
             outs.append(out)
             values_in.append(v)
@@ -244,6 +257,55 @@ def test_a_later_layer_diverging_on_one_rank_raises_on_every_rank(monkeypatch, c
         assert isinstance(info.value, RankError)
         assert runs and set(runs) == {2 if allreduce._PERSISTENT_OK else 1}, runs
     assert "differs from the step's first layer" in str(info.value)
+
+
+@pytest.mark.parallel(nprocs=[1, 2])
+@pytest.mark.parametrize(
+    "extra",
+    [{"dropout": False}, {"dropout": 0, "softcap": None, "is_causal": True}],
+    ids=["bool dropout", "keywords outside the lane's"],
+)
+def test_arguments_the_lane_leaves_run_guarded_with_the_same_bits(monkeypatch, extra):
+    """Later layers whose arguments the lane does not take enter the guard, and agree.
+
+    A dropout that is a bool, or keywords beyond those the lane takes (here ones the
+    guarded call accepts), make every layer enter the guard; outputs equal the
+    lane's, bit for bit.
+    """
+    q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(1))
+    lanes, real = [], _attention._bound_step
+    monkeypatch.setattr(
+        _attention, "_bound_step", lambda *a, **k: lanes.append(k.get("lane")) or real(*a, **k)
+    )
+    outs, ran = {}, {}
+    for name, kw in (("lane", {}), ("guarded", extra)):
+        lanes.clear()
+        outs[name] = by_hand(lambda step, layer: q, kw_of=lambda step, layer, kw=kw: kw)[0]
+        ran[name] = lanes.count(True)  # calls that reached the bound step from the lane
+    one_call = world().size == 1 or allreduce._PERSISTENT_OK
+    assert ran["guarded"] == 0 and (ran["lane"] > 0) == one_call, ran
+    assert all(torch.equal(a, b) for a, b in zip(outs["lane"], outs["guarded"], strict=True))
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"dropout": 0.5}, "dropout must be 0"),
+        ({"sliding_window": 4}, "needs a mask for sliding_window"),
+        ({"softcap": 30.0}, "has no softcap"),
+    ],
+    ids=["dropout", "sliding window, no mask", "softcap"],
+)
+def test_a_later_layer_the_lane_refuses_raises_on_every_rank(kw, message):
+    """A later layer's argument that the attention refuses raises there, on every rank."""
+    q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(1))
+
+    def kw_of(step, layer):
+        return kw if step == STEPS - 1 and layer == 1 else {}
+
+    with pytest.raises(ValueError, match=message):
+        by_hand(lambda step, layer: q, kw_of=kw_of)
 
 
 @pytest.mark.parallel(nprocs=[1, 2, 3])

@@ -12,7 +12,7 @@ from transformers.masking_utils import causal_mask_function, prepare_padding_mas
 
 from mpitree import extend
 
-from ._cache import drop_view, foreign_shard, peek_view, take_view
+from ._cache import HANDOFF, foreign_shard, take_view
 from ._prefill import reserve, sharded_attention
 
 
@@ -751,7 +751,7 @@ def _bound_step(view, query, key, value, mask, scaling, lane=False):
     ):
         return None
     if lane:
-        drop_view()  # the call takes the update's view, as the guarded call does
+        HANDOFF.view = None  # the call takes the update's view, as the guarded call does
     bound = fast.bound
     call = bound.call
     call.q, call.t = query.data_ptr(), step.t
@@ -785,10 +785,22 @@ def _one_call(module, query, key, value, attention_mask, scaling=None, dropout=0
     layer's bound step applies (:func:`_bound_step`) and its merge is one
     compiled call, which asks ``MPI_Finalized`` before any other MPI call (where
     the merger was freed since, :meth:`extend.Merger.merge_layer` checks MPI
-    first). Otherwise it returns None, and the guarded call runs instead.
+    first). Otherwise it returns None, and the guarded call runs instead: so
+    do arguments that :func:`_unsupported` might refuse (a dropout other than
+    an int or float 0, a keyword outside ``_PASS``, a sliding window without a
+    mask). It looks the update's view up in the slot itself, as
+    :func:`~._cache.take_view` does: this runs in every later layer, where each
+    Python call costs about a microsecond.
     """
-    view = peek_view(key)
-    if view is None or _unsupported(attention_mask, dropout, kw):
+    view = getattr(HANDOFF, "view", None)
+    if (
+        view is None
+        or view.keys is not key
+        or type(dropout) not in _NUMBERS
+        or dropout
+        or not kw.keys() <= _PASS
+        or (attention_mask is None and kw.get("sliding_window") is not None)
+    ):
         return None
     out = _bound_step(view, query, key, value, attention_mask, scaling, lane=True)
     return None if out is None else (out, None)
@@ -891,6 +903,9 @@ _PASS = frozenset(
         "sliding_window",
     }
 )  # fmt: skip
+
+
+_NUMBERS = (int, float)  # dropout types the lane takes (bool and the rest: the guarded call)
 
 
 def _causal(value):

@@ -214,7 +214,7 @@ class Sharding:
 
 @dataclass
 class View:
-    """What the attention function needs about one layer's step (see :func:`peek_view`)."""
+    """What the attention function needs about one layer's step (see :func:`take_view`)."""
 
     keys: torch.Tensor  # the very tensor the layer's update returned
     layer: ShardedLayer
@@ -225,12 +225,15 @@ class View:
     error: Exception | None = None  # the cache update failed on this rank: raised in the guard
 
 
-_handoff = threading.local()  # .view: the View of the last update in this thread, until taken
+# The slot: .view is the View of the last update in this thread until an attention call
+# takes it (take_view; a later decode layer's one-call lane reads and clears it inline),
+# .step a weak reference to that update's model step
+HANDOFF = threading.local()
 
 
 def _hand_over(view):
     """Leave ``view`` for the attention call that follows the update."""
-    _handoff.view, _handoff.step = view, view.step.ref
+    HANDOFF.view, HANDOFF.step = view, view.step.ref
 
 
 def foreign_shard(key):
@@ -241,7 +244,7 @@ def foreign_shard(key):
     Gemma3n), or attended after another layer's update. Each rank holds only its
     shard of them, so attending them locally would be silently wrong.
     """
-    step = getattr(_handoff, "step", lambda: None)()
+    step = getattr(HANDOFF, "step", lambda: None)()
     if step is None or key.device.type == "meta":
         return None
     storage = key.untyped_storage().data_ptr()
@@ -261,28 +264,19 @@ def foreign_shard(key):
     return None
 
 
-def peek_view(key):
-    """Return the :class:`View` of the update that returned ``key``, or None; keep the slot.
+def take_view(key):
+    """Return the :class:`View` of the update that returned ``key``, or None; clear the slot.
 
     transformers calls a layer's attention with exactly the tensors its cache update
     returned, so a ShardedCache step is recognised by identity: nothing is attached
     to the tensors (they pickle and save like any tensor, and keep no layer alive).
+    An attention call takes the view: the slot is empty after it.
     """
-    view = getattr(_handoff, "view", None)
-    return view if view is not None and view.keys is key else None
-
-
-def take_view(key):
-    """Return :func:`peek_view`'s view, or None; clear the slot (an attention call takes it)."""
-    view = peek_view(key)
-    if view is not None:
-        drop_view()
+    view = getattr(HANDOFF, "view", None)
+    if view is None or view.keys is not key:
+        return None
+    HANDOFF.view = None
     return view
-
-
-def drop_view():
-    """Clear the slot: the attention call took the view :func:`peek_view` returned."""
-    _handoff.view = None
 
 
 def _prefix_of(x, buffer):
