@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 import operator
 import os
 import threading
@@ -11,7 +10,7 @@ import time
 
 import numpy as np
 
-from ._library import AttnArgs, LayerArgs, address, native_lib
+from ._library import AttnArgs, LayerArgs, address, bind_call, native_lib
 
 KERNEL_ENV = "MPITREE_LOCAL_KERNEL"  # "native" (default when built) or "numpy"
 _local = threading.local()  # per-thread scratch buffer of the kernel
@@ -459,8 +458,8 @@ class BoundLayer:
         self._keep = (*keep, scratch)
         self._ref = ctypes.byref(call)
         self._attend, self._finish = lib.mpitree_layer_attend_f32, lib.mpitree_layer_finish_f32
-        step = functools.partial(lib.mpitree_layer_step_f32, ctypes.addressof(call))
-        self.step, self.merger = step, None
+        self.step = bind_call(lib.mpitree_layer_step_f32, call, self._keep)
+        self.merger = None
 
     @classmethod
     def of(cls, shape, kv_heads, k, v, records, scale, keep=()):
@@ -512,6 +511,7 @@ class BoundLayer:
         call = self.call
         call.finalized, call.start, call.wait, call.request, call.flag = collective
         self.merger = merger
+        self.step.keep = (*self._keep, merger)  # its request and flag: the step reads them
 
 
 def read_seconds(x):

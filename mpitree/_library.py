@@ -6,11 +6,17 @@ Also :func:`address`: a numpy array's address, for its calls, cheaply.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import os
 import threading
 
 from mpi4py import MPI
+
+try:  # the hottest call's CPython entry (mpitree/_native_call.c), built where Python's headers are
+    from ._native_call import call as _native_call
+except ImportError:
+    _native_call = None
 
 NATIVE_ENV = "MPITREE_NATIVE_OP"
 STATUS_WORDS = 8  # int64 words of room for one MPI_Status in mpitree_layer
@@ -107,6 +113,24 @@ def address(x):
     return x.ctypes.data
 
 
+def bind_call(fn, args, keep=()):
+    """Return ``step(out) -> int``: the compiled ``int fn(args *, void *out)``, ``args`` bound.
+
+    Through ``mpitree._native_call`` where it was built (a CPython call: through
+    ctypes, a later decode layer's step costs 2-3 us more on caches the model's
+    dense layers cooled), else through ctypes (``fn``'s argtypes: a pointer to
+    ``args``'s type, then ``c_void_p``). Either way the callable holds ``args``, a
+    ctypes struct, alive, and ``keep`` (``step.keep``: what the struct's addresses
+    point into), so a step kept past its owner still reads live memory.
+    """
+    if _native_call is not None:
+        step = functools.partial(_native_call, ctypes.cast(fn, ctypes.c_void_p).value, args)
+    else:
+        step = functools.partial(fn, ctypes.byref(args))
+    step.keep = keep
+    return step
+
+
 def library_path():
     """Return the path of the compiled library built for this interpreter, or None.
 
@@ -150,9 +174,7 @@ def _load():
         lib.mpitree_layer_finish_f32.restype = None
         lib.mpitree_layer_finish_f32.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_void_p]
         lib.mpitree_layer_step_f32.restype = ctypes.c_int
-        # the struct by address (BoundLayer.step): every later decode layer calls this, and an
-        # int converts to c_void_p in about 2/3 of a pointer argument's type check
-        lib.mpitree_layer_step_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.mpitree_layer_step_f32.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_void_p]
         lib.mpitree_oneshot_merge_f32.restype = ctypes.c_int
         lib.mpitree_oneshot_merge_f32.argtypes = [ctypes.POINTER(OneShotArgs)]
         lib.mpitree_oneshot_merge_f32.argtypes += [ctypes.c_void_p] * 2

@@ -11,6 +11,8 @@
  *                     collective (MPI_Start/MPI_Wait through addresses handed over by
  *                     mpi4py, so still no mpi.h) and finishing
  *   _native_read.c    the stream-read bandwidth floor that benchmarks measure against
+ * (mpitree/_native_call.c is another extension, with Python.h: the CPython function
+ * through which a later decode layer calls mpitree_layer_step_f32, without ctypes.)
  */
 #ifndef MPITREE_NATIVE_H
 #define MPITREE_NATIVE_H

@@ -1,5 +1,7 @@
 """ShardedCache's model step: it begins at a forward's first cached layer, whatever its index."""
 
+import threading
+
 import mpitree.adapters.transformers as mtt
 import numpy as np
 import pytest
@@ -122,12 +124,14 @@ def test_a_forward_that_failed_midway_raises_on_every_rank_at_the_next_step():
 
 
 @pytest.mark.parallel(nprocs=[1, 2, 3])
-@pytest.mark.parametrize("pattern", ["shared", "updates first"])
+@pytest.mark.parametrize("pattern", ["shared", "updates first", "another thread"])
 def test_shard_keys_attended_away_from_their_update_raise_on_every_rank(pattern):
-    """A layer's K/V attended by another layer's call, or after another update, are refused.
+    """A layer's K/V attended by another layer's call, after another update, or in another
+    thread than their update's, are refused.
 
     Such calls attended this rank's shard alone as if it were every key, silently
-    (one layer's K/V shared with later layers, as Gemma3n's KV sharing does).
+    (one layer's K/V shared with later layers, as Gemma3n's KV sharing does; a call
+    in another thread found no update there).
     """
     cache = mtt.ShardedCache(block_size=2)
     whole = {}
@@ -139,9 +143,23 @@ def test_shard_keys_attended_away_from_their_update_raise_on_every_rank(pattern)
         if pattern == "shared":
             mtt.attention_interface(None, q, *first, None)
             mtt.attention_interface(None, q, *first, None)  # the next layer reuses them
-        else:
+        elif pattern == "updates first":
             cache.update(k, v, CACHED[1])
             mtt.attention_interface(None, q, *first, None)
+        else:
+            raised = []
+
+            def attend():
+                try:
+                    mtt.attention_interface(None, q, *first, None)
+                except Exception as exc:
+                    raised.append(exc)
+
+            thread = threading.Thread(target=attend)
+            thread.start()
+            thread.join()
+            if raised:
+                raise raised[0]
 
 
 @pytest.mark.parallel(nprocs=[2, 3])

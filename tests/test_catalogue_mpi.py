@@ -449,7 +449,33 @@ def attention_cases():
         "bound later layer: query float64": lambda bad: bound_later_layer(
             bad, query=lambda q: q.double()
         ),
+        "bound later layer: a dropout whose type's == raises": lambda bad: bound_later_layer(
+            bad, dropout=Unequal()
+        ),
+        "bound later layer: a dropout whose truth value raises": lambda bad: bound_later_layer(
+            bad, dropout=Untrue()
+        ),
     }
+
+
+class _RaisingEq(type):
+    """A metaclass whose ``==`` raises: ``type(x) in (int, float)`` calls it."""
+
+    def __eq__(cls, other):
+        raise RuntimeError("this type's == raises")
+
+    __hash__ = type.__hash__
+
+
+class Unequal(metaclass=_RaisingEq):
+    """An argument whose type compares by raising."""
+
+
+class Untrue(float):
+    """A float 0 whose truth value raises (``dropout`` is tested with ``or dropout``)."""
+
+    def __bool__(self):
+        raise RuntimeError("this float's truth value raises")
 
 
 def later_layer(bad, change):

@@ -18,7 +18,7 @@ from helpers import counting, world
 from models import greedy, prompt, tiny_llama
 from mpitree.adapters.transformers import _attention
 
-from mpitree import _guard, _kernel, _merger, extend
+from mpitree import _guard, _kernel, _library, _merger, extend
 from mpitree._strategies import allreduce
 from mpitree.extend import RankError
 
@@ -113,6 +113,29 @@ def test_copied_and_cropped_caches_decode_as_the_original(monkeypatch):
     runs = counting(monkeypatch, cache)
     _, c = decode(model, tokens, None, cache, 3)
     assert torch.equal(c, a) and runs
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_the_step_through_ctypes_gives_the_cpython_entrys_bits(monkeypatch):
+    """Where ``mpitree._native_call`` was not built, the bound step goes through ctypes."""
+    if _library._native_call is None:
+        pytest.fail("mpitree._native_call was not built: the suite must run its path")
+    model = tiny_llama(layers=2)
+    model.set_attn_implementation("mpitree")
+    ids, _ = prompt(17, False)
+    outs = {}
+    for way in ("cpython", "ctypes"):
+        with monkeypatch.context() as patch:
+            if way == "ctypes":
+                patch.setattr(_library, "_native_call", None)
+            cache = prefilled(model, ids, None, "interleave")
+            runs = counting(patch, cache)
+            _, outs[way] = decode(model, ids, None, cache, 4)
+        steps = [layer.fast.bound.step for layer in cache.layers]  # counting's wrappers undone
+        assert runs and all(
+            (step.func is _library._native_call) == (way == "cpython") for step in steps
+        ), (way, steps)
+    assert torch.equal(outs["cpython"], outs["ctypes"])
 
 
 @pytest.mark.parallel(nprocs=[1, 2, 3])

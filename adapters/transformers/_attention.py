@@ -788,19 +788,23 @@ def _one_call(module, query, key, value, attention_mask, scaling=None, dropout=0
     first). Otherwise it returns None, and the guarded call runs instead: so
     do arguments that :func:`_unsupported` might refuse (a dropout other than
     an int or float 0, a keyword outside ``_PASS``, a sliding window without a
-    mask). It looks the update's view up in the slot itself, as
+    mask), and arguments whose comparisons raise. It looks the update's view up
+    in the slot itself, as
     :func:`~._cache.take_view` does: this runs in every later layer, where each
     Python call costs about a microsecond.
     """
     view = getattr(HANDOFF, "view", None)
-    if (
-        view is None
-        or view.keys is not key
-        or type(dropout) not in _NUMBERS
-        or dropout
-        or not kw.keys() <= _PASS
-        or (attention_mask is None and kw.get("sliding_window") is not None)
-    ):
+    try:  # a keyword whose comparison raises (a str subclass): the guarded call says why
+        if (
+            view is None
+            or view.keys is not key
+            or (type(dropout) is not float and type(dropout) is not int)  # no __eq__ runs
+            or dropout
+            or not kw.keys() <= _PASS
+            or (attention_mask is None and kw.get("sliding_window") is not None)
+        ):
+            return None
+    except Exception:
         return None
     out = _bound_step(view, query, key, value, attention_mask, scaling, lane=True)
     return None if out is None else (out, None)
@@ -905,9 +909,6 @@ _PASS = frozenset(
 )  # fmt: skip
 
 
-_NUMBERS = (int, float)  # dropout types the lane takes (bool and the rest: the guarded call)
-
-
 def _causal(value):
     """Whether an ``is_causal`` argument asks for causal attention (never raises)."""
     try:
@@ -921,7 +922,16 @@ def _unsupported(mask, dropout, kw):
 
     Any keyword argument but those of ``_PASS`` that is set is refused, never ignored
     (GPT-OSS's attention sinks, ``s_aux``, once were: the output was silently wrong).
+    An argument whose own comparison or truth value raises is refused with that error.
     """
+    try:
+        return _refused(mask, dropout, kw)
+    except Exception as exc:  # this runs before the agreement: its verdict must ride in it
+        return ValueError(f"attn_implementation='mpitree' could not check its arguments: {exc!r}")
+
+
+def _refused(mask, dropout, kw):
+    """:func:`_unsupported`'s checks, which may raise where an argument's own methods do."""
     if not isinstance(dropout, (int, float)) or dropout:
         return ValueError("attn_implementation='mpitree' is for inference: dropout must be 0")
     if kw.get("sliding_window") is not None and mask is None:

@@ -31,15 +31,11 @@ class Step:
     ``signature``, ``scale`` and ``merger``; every later layer is held to them.
     """
 
-    __slots__ = (
-        "__weakref__", "fast", "index", "layers", "length", "merger", "ref", "scale",
-        "signature", "visible",
-    )  # fmt: skip
+    __slots__ = ("fast", "index", "length", "merger", "scale", "signature", "visible")
 
     def __init__(self, index):
         self.index = index  # the layer index of the step's last update
         self.length = None  # the global length of the step's first updated layer before it
-        self.layers = []  # weak references to the layers updated in this step, in order
         self.signature = None  # what every rank agreed on (None: no agreement yet)
         self.scale = None
         self.merger = None  # the shared merger for the step's layers (None under prefill)
@@ -48,7 +44,6 @@ class Step:
         # the step's one-call state (_attention.StepFast) once a layer asked for it;
         # False: no layer runs its one call
         self.fast = None
-        self.ref = weakref.ref(self)  # handed to each layer's attention call (built once)
 
 
 @dataclass
@@ -226,40 +221,48 @@ class View:
 
 
 # The slot: .view is the View of the last update in this thread until an attention call
-# takes it (take_view; a later decode layer's one-call lane reads and clears it inline),
-# .step a weak reference to that update's model step
+# takes it (take_view; a later decode layer's one-call lane reads and clears it inline)
 HANDOFF = threading.local()
+# Every ShardedLayer of the process, copies and unpickled ones included (foreign_shard)
+_LAYERS = weakref.WeakSet()
+_LAYERS_LOCK = threading.Lock()
 
 
 def _hand_over(view):
     """Leave ``view`` for the attention call that follows the update."""
-    HANDOFF.view, HANDOFF.step = view, view.step.ref
+    HANDOFF.view = view
 
 
 def foreign_shard(key):
-    """Return an error if ``key`` is a shard of a layer updated in this thread's last step.
+    """Return an error if ``key`` is a :class:`ShardedLayer`'s shard, or None.
 
-    Such keys reached attention without the update that returned them just
-    before: one layer's K/V reused by another layer's attention (KV sharing, e.g.
-    Gemma3n), or attended after another layer's update. Each rank holds only its
-    shard of them, so attending them locally would be silently wrong.
+    Called where no update just before, in this thread, returned ``key``: such
+    keys reached attention without it. One layer's K/V reused by another
+    layer's attention (KV sharing, e.g. Gemma3n), attended after another
+    layer's update, or in another thread than their update's. Each rank holds
+    only its shard of them, so attending them locally would be silently wrong.
+    Every layer of the process is looked at (only where attention is not over
+    a ShardedCache step).
     """
-    step = getattr(HANDOFF, "step", lambda: None)()
-    if step is None or key.device.type == "meta":
+    if key.device.type == "meta":
         return None
+    with _LAYERS_LOCK:
+        layers = list(_LAYERS)
     storage = key.untyped_storage().data_ptr()
-    for ref in step.layers:
-        layer = ref()
+    if not storage:  # no memory (no keys): nothing of a shard
+        return None
+    for layer in layers:
         if (
-            layer is not None
-            and layer.is_initialized
+            getattr(layer, "is_initialized", False)
+            and layer.keys.device == key.device
             and layer.keys.untyped_storage().data_ptr() == storage
         ):
             return ValueError(
                 "ShardedCache: an attention call got a cache layer's K/V other than the "
-                "ones its own cache update just returned (one layer's K/V shared with later "
-                "layers, as Gemma3n's KV sharing does, or attended after another layer's "
-                "update); each rank holds only its shard of them: not supported"
+                "ones its own cache update just returned, in this thread (one layer's K/V "
+                "shared with later layers, as Gemma3n's KV sharing does, attended after "
+                "another layer's update, or in another thread); each rank holds only its "
+                "shard of them: not supported"
             )
     return None
 
@@ -309,6 +312,13 @@ class ShardedLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
+    def __new__(cls, *args, **kwargs):
+        """Register the layer for :func:`foreign_shard` (copies and unpickling come here too)."""
+        layer = super().__new__(cls)
+        with _LAYERS_LOCK:
+            _LAYERS.add(layer)
+        return layer
+
     def __init__(self, sharding):
         super().__init__()
         self.sharding = sharding
@@ -319,7 +329,6 @@ class ShardedLayer(CacheLayerMixin):
         # the attention's one-call decode step over this layer's buffers (None: unbound); see
         # _attention._bound_step. Dropped whenever the buffers are replaced.
         self.fast = None
-        self.ref = weakref.ref(self)  # what a step lists this layer by (built once, not per step)
 
     def lazy_initialization(self, key_states, value_states):
         """Create empty shards with the states' batch, heads, dim, dtype and device."""
@@ -353,10 +362,7 @@ class ShardedLayer(CacheLayerMixin):
 
     def _join_step(self):
         """Join the cache's model step; raise if this layer's length is not the step's."""
-        step, ref = self.sharding.step, self.ref
-        if ref() is not self:  # a deep copy holds its original's reference
-            ref = self.ref = weakref.ref(self)
-        step.layers.append(ref)
+        step = self.sharding.step
         if step.length is None:
             step.length = self.length
         elif self.length != step.length:

@@ -1,0 +1,62 @@
+/*
+ * mpitree._native_call: one CPython function, for the hottest call mpitree makes.
+ *
+ *   call(fn, args, out) -> int
+ *
+ * calls the compiled library's ``int fn(void *args, void *out)`` at address ``fn``,
+ * with the address of ``args`` (any object that exports a buffer: the library's
+ * ctypes struct, which the caller's partial thereby keeps alive) and the address
+ * ``out`` (an int). A later decode layer's one compiled call
+ * (mpitree_layer_step_f32, mpitree/_kernel.py BoundLayer.step) goes through it:
+ * through ctypes, that call costs 2-3 us more a layer on the caches the model's
+ * dense layers cooled (docs/benchmarks.md). It is an extension of its own: the
+ * library (mpitree/_native.h) is plain C, with no Python.h, and builds where
+ * Python's headers are missing; without this one, the call goes through ctypes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+typedef int (*mpitree_call_fn)(void *, void *);
+
+static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    mpitree_call_fn fn;
+    void *out;
+    int code;
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "call(fn, args, out) takes 3 arguments");
+        return NULL;
+    }
+    fn = (mpitree_call_fn)PyLong_AsVoidPtr(args[0]);
+    if (fn == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "call: fn is NULL");
+        return NULL;
+    }
+    out = PyLong_AsVoidPtr(args[2]);
+    if (out == NULL && PyErr_Occurred())
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) != 0)
+        return NULL;
+    code = fn(view.buf, out);
+    PyBuffer_Release(&view);
+    return PyLong_FromLong(code);
+}
+
+static PyMethodDef methods[] = {
+    {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL,
+     "call(fn, args, out) -> int: the compiled int fn(void *args, void *out)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "mpitree._native_call", NULL, -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native_call(void)
+{
+    return PyModule_Create(&module);
+}
