@@ -1,22 +1,27 @@
 /*
  * mpitree._native_call: one CPython function, for the hottest call mpitree makes.
  *
- *   call(fn, args, out) -> int
+ *   call(fn, layer, out) -> int
  *
- * calls the compiled library's ``int fn(void *args, void *out)`` at address ``fn``,
- * with the address of ``args`` (any object that exports a buffer: the library's
- * ctypes struct, which the caller's partial thereby keeps alive) and the address
- * ``out`` (an int). A later decode layer's one compiled call
- * (mpitree_layer_step_f32, mpitree/_kernel.py BoundLayer.step) goes through it:
- * through ctypes, that call costs 2-3 us more a layer on the caches the model's
- * dense layers cooled (docs/benchmarks.md). It is an extension of its own: the
- * library (mpitree/_native.h) is plain C, with no Python.h, and builds where
- * Python's headers are missing; without this one, the call goes through ctypes.
+ * calls the compiled library's ``int fn(mpitree_layer *layer, float *out)`` at address
+ * ``fn``, with the address of ``layer`` (a writable buffer of exactly
+ * sizeof(mpitree_layer) bytes: the library's ctypes struct, which the caller's partial
+ * thereby keeps alive) and the address ``out`` (an int). A later decode layer's one
+ * compiled call (mpitree_layer_step_f32, mpitree/_kernel.py BoundLayer.step) goes
+ * through it: through ctypes, that call costs 2-3 us more a layer on the caches the
+ * model's dense layers cooled (docs/benchmarks.md). Like ctypes, it calls what ``fn``
+ * and the struct's addresses name: a wrong address crashes the process; it refuses
+ * only what it can tell is wrong (arguments of other types, a NULL fn, a layer buffer
+ * read-only or of another size). It is an extension of its own: the library is plain
+ * C, with no Python.h, and builds where Python's headers are missing; without this
+ * one, the call goes through ctypes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-typedef int (*mpitree_call_fn)(void *, void *);
+#include "_native.h"
+
+typedef int (*mpitree_call_fn)(mpitree_layer *, float *);
 
 static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -26,7 +31,7 @@ static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int code;
     (void)self;
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "call(fn, args, out) takes 3 arguments");
+        PyErr_SetString(PyExc_TypeError, "call(fn, layer, out) takes 3 arguments");
         return NULL;
     }
     fn = (mpitree_call_fn)PyLong_AsVoidPtr(args[0]);
@@ -38,16 +43,22 @@ static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     out = PyLong_AsVoidPtr(args[2]);
     if (out == NULL && PyErr_Occurred())
         return NULL;
-    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) != 0)
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE) != 0)
         return NULL;
-    code = fn(view.buf, out);
+    if (view.len != (Py_ssize_t)sizeof(mpitree_layer)) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "call: layer is %zd bytes, not sizeof(mpitree_layer) = %zu",
+                     view.len, sizeof(mpitree_layer));
+        return NULL;
+    }
+    code = fn((mpitree_layer *)view.buf, (float *)out);
     PyBuffer_Release(&view);
     return PyLong_FromLong(code);
 }
 
 static PyMethodDef methods[] = {
     {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL,
-     "call(fn, args, out) -> int: the compiled int fn(void *args, void *out)."},
+     "call(fn, layer, out) -> int: the compiled int fn(mpitree_layer *, float *)."},
     {NULL, NULL, 0, NULL},
 };
 

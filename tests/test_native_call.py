@@ -6,6 +6,7 @@ bound callable keeps the struct alive and reports what the function returns; the
 entry refuses arguments it cannot use with a Python exception, never a crash.
 """
 
+import ctypes
 import gc
 
 import pytest
@@ -43,13 +44,16 @@ def test_the_bound_step_keeps_its_struct_alive_and_returns_the_functions_code(wa
         ((1, 2), TypeError),  # two arguments
         ((None, _library.LayerArgs(), 0), TypeError),  # fn not an int
         ((0, _library.LayerArgs(), 0), ValueError),  # fn NULL
-        ((1, 7, 0), TypeError),  # args exports no buffer
+        ((1, 7, 0), TypeError),  # the layer exports no buffer
+        ((1, bytes(ctypes.sizeof(_library.LayerArgs)), 0), BufferError),  # read-only
+        ((1, bytearray(1), 0), ValueError),  # not the struct's size
         ((1, _library.LayerArgs(), "out"), TypeError),  # out not an int
     ],
-    ids=["arity", "fn type", "fn null", "args not a buffer", "out type"],
+    ids=["arity", "fn type", "fn null", "not a buffer", "read-only", "size", "out type"],
 )
 def test_the_cpython_entry_refuses_what_it_cannot_call(args, error):
-    """Each refusal is a Python exception, raised before any call."""
+    """Each refusal is a Python exception, raised before any call (the addresses themselves
+    it cannot check: like ctypes, it calls what they name)."""
     if _library._native_call is None:
         pytest.fail("mpitree._native_call was not built: the suite must run its path")
     with pytest.raises(error):

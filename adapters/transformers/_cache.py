@@ -223,9 +223,11 @@ class View:
 # The slot: .view is the View of the last update in this thread until an attention call
 # takes it (take_view; a later decode layer's one-call lane reads and clears it inline)
 HANDOFF = threading.local()
-# Every ShardedLayer of the process, copies and unpickled ones included (foreign_shard)
-_LAYERS = weakref.WeakSet()
-_LAYERS_LOCK = threading.Lock()
+# Weak references to every ShardedLayer of the process, copies and unpickled ones included
+# (foreign_shard). A plain set: adding, a dead reference's discard and copying are each one
+# C call, so a layer collected in another thread never changes it mid-copy (a WeakSet's
+# own removal callback did, on Python 3.10)
+_LAYERS = set()
 
 
 def _hand_over(view):
@@ -244,18 +246,17 @@ def foreign_shard(key):
     Every layer of the process is looked at (only where attention is not over
     a ShardedCache step).
     """
-    if key.device.type == "meta":
+    if not _LAYERS or key.device.type == "meta":
         return None
-    with _LAYERS_LOCK:
-        layers = list(_LAYERS)
     storage = key.untyped_storage().data_ptr()
     if not storage:  # no memory (no keys): nothing of a shard
         return None
-    for layer in layers:
+    for ref in _LAYERS.copy():
+        keys = getattr(ref(), "keys", None)  # read once: reset() in another thread clears it
         if (
-            getattr(layer, "is_initialized", False)
-            and layer.keys.device == key.device
-            and layer.keys.untyped_storage().data_ptr() == storage
+            isinstance(keys, torch.Tensor)
+            and keys.device == key.device
+            and keys.untyped_storage().data_ptr() == storage
         ):
             return ValueError(
                 "ShardedCache: an attention call got a cache layer's K/V other than the "
@@ -315,8 +316,7 @@ class ShardedLayer(CacheLayerMixin):
     def __new__(cls, *args, **kwargs):
         """Register the layer for :func:`foreign_shard` (copies and unpickling come here too)."""
         layer = super().__new__(cls)
-        with _LAYERS_LOCK:
-            _LAYERS.add(layer)
+        _LAYERS.add(weakref.ref(layer, _LAYERS.discard))
         return layer
 
     def __init__(self, sharding):
