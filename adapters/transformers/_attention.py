@@ -794,7 +794,9 @@ def _one_call(module, query, key, value, attention_mask, scaling=None, dropout=0
     Python call costs about a microsecond.
     """
     view = getattr(HANDOFF, "view", None)
-    try:  # a keyword whose comparison raises (a str subclass): the guarded call says why
+    # a keyword name (a str subclass) whose == raises only against some names gets past
+    # binding and raises in the set test: the guarded call says why
+    try:
         if (
             view is None
             or view.keys is not key
