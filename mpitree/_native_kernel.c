@@ -9,6 +9,9 @@
 /* one pass turns them into weights (max, exp, sum), and one pass over V     */
 /* accumulates the numerators                                                */
 /* (rows x columns accumulators, a V vector loaded once feeds every row).    */
+/* The v3 build runs a block of 8 rows as two register tiles of 4 over each  */
+/* few keys in turn (the second finds them in L1): its 16 registers hold a   */
+/* tile's accumulators with fewer loads per multiply-add.                    */
 /* K and V come from memory once (later row blocks hit the chunk in L2).     */
 /* Lines a fixed distance ahead are prefetched into L2 (the passes read      */
 /* several key rows side by side, an order the hardware prefetcher does not  */
@@ -204,67 +207,80 @@ MPITREE_INLINE void prefetch_row(const float *p, int64_t len)
 #define KEYS_IN_ORDER 2
 
 /* Scores of one block of rb rows (q: rb rows of dim) against keys [0, n) of k:
- * s[j * rb + r] = q_r . k_j (interleaved: row r of key j). kb keys at a time, with
- * rb * kb (8 or 16) vector accumulators reduced by transpose-adds (the same tree of
- * additions for every row and key, whatever the blocking). The key rows
- * `pf` keys ahead are prefetched when pf > 0, a line of each per two steps of the
- * dot products (a burst of a block's rows of lines at once stalled on the misses it
- * had in flight: a GQA group of 4 rows ran at 67% of the read floor, spread at 85%),
- * a row's lines past the steps' reach before them. `in_order` (single row only):
- * each key's row is read whole before the next (the same sums in the same order). */
+ * s[j * rb + r] = q_r . k_j (interleaved: row r of key j). kb keys at a time, in tiles
+ * of tr rows (tr divides rb) with tr * kb (8 or 16) vector accumulators reduced by
+ * transpose-adds (the same tree of additions for every row and key, whatever the
+ * blocking or tiling); a block's tiles take the same kb keys in turn, which the first
+ * tile brought into L1. The key rows `pf` keys ahead are prefetched when pf > 0, a
+ * line of each per two steps of the dot products (a burst of a block's rows of lines
+ * at once stalled on the misses it had in flight: a GQA group of 4 rows ran at 67% of
+ * the read floor, spread at 85%), a row's lines past the steps' reach before them.
+ * `in_order` (single row only): each key's row is read whole before the next (the same
+ * sums in the same order). */
 MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int64_t n,
-                                 int64_t dim, const int rb, const int kb, int64_t pf,
-                                 int in_order, const int fused, float *s)
+                                 int64_t dim, const int rb, const int tr, const int kb,
+                                 int64_t pf, int in_order, const int fused, float *s)
 {
     const int64_t d8 = dim & ~(int64_t)7, nb = n - n % kb;
     const int64_t reach = (d8 + 15) & ~(int64_t)15; /* floats whose lines the steps prefetch */
     const v8f zero = {0};
-    v8f qt[2][7]; /* the tail columns' q lanes of each group of 8 scores (row (g + i) % rb) */
-    for (int g = 0; g < rb * kb; g += 8)
-        for (int64_t x = d8; x < dim; ++x)
-            for (int i = 0; i < 8; ++i)
-                qt[g / 8][x - d8][i] = q[((g + i) % rb) * dim + x];
+    v8f qt[4][7]; /* the tail columns' q lanes of tile t's group g of 8 scores */
+    for (int t = 0; t < rb; t += tr)
+        for (int g = 0; g < tr * kb; g += 8)
+            for (int64_t x = d8; x < dim; ++x)
+                for (int i = 0; i < 8; ++i)
+                    qt[(t / tr) * 2 + g / 8][x - d8][i] = q[(t + (g + i) % tr) * dim + x];
     for (int64_t j = 0; j < nb; j += kb) {
         const float *kj = k + j * ks;
         if (pf > 0 && reach < dim)
             for (int kk = 0; kk < kb; ++kk)
                 prefetch_row(kj + (pf + kk) * ks + reach, dim - reach);
-        v8f acc[16];
+        for (int t = 0; t < rb; t += tr) {
+            const float *qr = q + t * dim;
+            const int64_t tpf = t ? 0 : pf; /* the first tile prefetches for the block */
+            v8f acc[16];
 #pragma GCC unroll 16
-        for (int i = 0; i < rb * kb; ++i)
-            acc[i] = zero;
-        if (rb == 1 && in_order)
-#pragma GCC unroll 16
-            for (int kk = 0; kk < kb; ++kk)
-                for (int64_t x = 0; x < d8; x += 8)
-                    acc[kk] = fma8(load8(q + x), load8(kj + kk * ks + x), acc[kk], fused);
-        else
-            for (int64_t x = 0; x < d8; x += 8) {
-                v8f kv[16];
-                if (pf > 0 && !(x & 15))
-                    for (int kk = 0; kk < kb; ++kk)
-                        __builtin_prefetch(kj + (pf + kk) * ks + x, 0, 2);
+            for (int i = 0; i < tr * kb; ++i)
+                acc[i] = zero;
+            if (tr == 1 && in_order)
 #pragma GCC unroll 16
                 for (int kk = 0; kk < kb; ++kk)
-                    kv[kk] = load8(kj + kk * ks + x);
-#pragma GCC unroll 8
-                for (int r = 0; r < rb; ++r) {
-                    const v8f qv = load8(q + r * dim + x);
+                    for (int64_t x = 0; x < d8; x += 8)
+                        acc[kk] = fma8(load8(qr + x), load8(kj + kk * ks + x), acc[kk], fused);
+            else
+                for (int64_t x = 0; x < d8; x += 8) {
+                    v8f kv[16];
+                    if (tpf > 0 && !(x & 15))
+                        for (int kk = 0; kk < kb; ++kk)
+                            __builtin_prefetch(kj + (tpf + kk) * ks + x, 0, 2);
 #pragma GCC unroll 16
                     for (int kk = 0; kk < kb; ++kk)
-                        acc[kk * rb + r] = fma8(qv, kv[kk], acc[kk * rb + r], fused);
+                        kv[kk] = load8(kj + kk * ks + x);
+#pragma GCC unroll 8
+                    for (int r = 0; r < tr; ++r) {
+                        const v8f qv = load8(qr + r * dim + x);
+#pragma GCC unroll 16
+                        for (int kk = 0; kk < kb; ++kk)
+                            acc[kk * tr + r] = fma8(qv, kv[kk], acc[kk * tr + r], fused);
+                    }
                 }
-            }
 #pragma GCC unroll 2
-        for (int g = 0; g < rb * kb; g += 8) {
-            v8f sv = hsum8x8(acc + g);
-            for (int64_t x = d8; x < dim; ++x) { /* the tail: lane i is key (g + i) / rb */
-                v8f ka;
-                for (int i = 0; i < 8; ++i)
-                    ka[i] = kj[((g + i) / rb) * ks + x];
-                sv = fma8(qt[g / 8][x - d8], ka, sv, fused);
+            for (int g = 0; g < tr * kb; g += 8) {
+                v8f sv = hsum8x8(acc + g);
+                for (int64_t x = d8; x < dim; ++x) { /* the tail: lane i is key (g + i) / tr */
+                    v8f ka;
+                    for (int i = 0; i < 8; ++i)
+                        ka[i] = kj[((g + i) / tr) * ks + x];
+                    sv = fma8(qt[(t / tr) * 2 + g / 8][x - d8], ka, sv, fused);
+                }
+                if (tr == rb)
+                    store8(s + j * rb + g, sv);
+                else /* lane i: row t + i % tr of key j + (g + i) / tr */
+#pragma GCC unroll 8
+                    for (int i = 0; i < 8; i += tr)
+                        memcpy(s + (j + (g + i) / tr) * rb + t, (const float *)&sv + i,
+                               sizeof(float) * (size_t)tr);
             }
-            store8(s + j * rb + g, sv);
         }
     }
     for (int64_t j = nb; j < n; ++j) {
@@ -319,16 +335,16 @@ MPITREE_INLINE void block_weights(float *s, int64_t n, const int rb, float *m, f
         den[r] = fma1(den[r], scale[r], sum[r], fused);
 }
 
-/* acc_r[x0 + c] += sum_j w[j * rb + r] v_j[x0 + c] for rows r < rb, keys [j0, jn), the
+/* acc_r[x0 + c] += sum_j w[j * ls + r] v_j[x0 + c] for rows r < rb, keys [j0, jn), the
  * cb vectors of columns from x0: rb * cb register accumulators. `masked`: the chunk
  * has excluded keys (weight -0.0, see EXCLUDED_BITS) whose values may be garbage (a
  * cache's unused slots): a key no row of the block sees is skipped, and otherwise a
  * row keeps its multiply-add only where it sees the key (an excluded key's term never
  * enters a sum, and a seen key's term rounds as in an unmasked chunk). */
-MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs, int64_t j0,
-                                      int64_t jn, int64_t dim, int64_t x0, const int rb,
-                                      const int cb, float *acc, int masked, int64_t pf,
-                                      const int fused)
+MPITREE_INLINE void block_values_cols(const float *w, const int ls, const float *v, int64_t vs,
+                                      int64_t j0, int64_t jn, int64_t dim, int64_t x0,
+                                      const int rb, const int cb, float *acc, int masked,
+                                      int64_t pf, const int fused)
 {
     v8f c[16];
 #pragma GCC unroll 8
@@ -337,7 +353,7 @@ MPITREE_INLINE void block_values_cols(const float *w, const float *v, int64_t vs
         for (int i = 0; i < cb; ++i)
             c[r * cb + i] = load8(acc + r * dim + x0 + 8 * i);
     for (int64_t j = j0; j < jn; ++j) {
-        const float *vj = v + j * vs + x0, *wj = w + j * rb;
+        const float *vj = v + j * vs + x0, *wj = w + j * ls;
         if (pf > 0) /* this block's columns of the row pf keys ahead */
             prefetch_row(vj + pf * vs, 8 * cb);
         v8f wr[8];
@@ -426,16 +442,19 @@ MPITREE_INLINE void block_values_tail(const float *w, const float *v, int64_t vs
 }
 
 /* The value pass of one row block over keys [0, n): a few keys at a time (in L1),
- * columns in blocks of cb vectors, then single vectors, then a scalar tail. Each
- * column block prefetches its own columns of the key row `pf` ahead when pf > 0,
+ * columns in blocks of cb vectors, then single vectors, then a scalar tail; within a
+ * column block, the block's tiles of tr rows in turn (each row's sums take the keys in
+ * order, whatever the tiling). Each column block prefetches its own columns of the key
+ * row `pf` ahead when pf > 0 (its first tile),
  * so the prefetches are spread over the pass rather than one burst per row.
  * `in_order`: a row not read as one column block is read one key (a row over 128
  * floats) or KEYS_IN_ORDER keys at a time (near address order: column by column over
  * 32 keys, or two keys per column block over a long row, ran at 40-50% of the read
  * floor; each sum still takes its keys in order). */
 MPITREE_INLINE void block_values(const float *w, const float *v, int64_t vs, int64_t n,
-                                 int64_t dim, const int rb, const int cb, float *acc, int masked,
-                                 int64_t pf, int in_order, const int fused)
+                                 int64_t dim, const int rb, const int tr, const int cb,
+                                 float *acc, int masked, int64_t pf, int in_order,
+                                 const int fused)
 {
     const int64_t wide = dim - dim % (8 * cb), d8 = dim & ~(int64_t)7;
     const int64_t keys = in_order && dim > 128      ? 1
@@ -445,9 +464,13 @@ MPITREE_INLINE void block_values(const float *w, const float *v, int64_t vs, int
     for (int64_t j0 = 0; j0 < n; j0 += keys) {
         const int64_t jn = j0 + keys < n ? j0 + keys : n;
         for (int64_t x0 = 0; x0 < wide; x0 += 8 * cb)
-            block_values_cols(w, v, vs, j0, jn, dim, x0, rb, cb, acc, masked, pf, fused);
+            for (int t = 0; t < rb; t += tr)
+                block_values_cols(w + t, rb, v, vs, j0, jn, dim, x0, tr, cb, acc + t * dim,
+                                  masked, t ? 0 : pf, fused);
         for (int64_t x0 = wide; x0 < d8; x0 += 8)
-            block_values_cols(w, v, vs, j0, jn, dim, x0, rb, 1, acc, masked, pf, fused);
+            for (int t = 0; t < rb; t += tr)
+                block_values_cols(w + t, rb, v, vs, j0, jn, dim, x0, tr, 1, acc + t * dim,
+                                  masked, t ? 0 : pf, fused);
         if (d8 < dim && rb >= 4)
             block_values_tail(w, v, vs, j0, jn, dim, d8, rb, acc, masked, pf, fused);
         else if (d8 < dim)
@@ -465,15 +488,18 @@ MPITREE_INLINE void block_values(const float *w, const float *v, int64_t vs, int
     }
 }
 
-/* One chunk of keys for a block of rb rows (rows r0 .. r0 + rb - 1 of the group). */
+/* One chunk of keys for a block of rb rows (rows r0 .. r0 + rb - 1 of the group), in
+ * register tiles of tr rows. */
 MPITREE_INLINE void block_chunk(const mpitree_attn_args *a, const float *qs, const float *kc,
                                 const float *vc, int64_t cn, int64_t b, int64_t h, int64_t c0,
-                                int64_t r0, const int rb, const int wide, float *acc, float *mx,
-                                float *den, float *s, int64_t pf, int in_order, const int fused)
+                                int64_t r0, const int rb, const int tr, const int wide,
+                                float *acc, float *mx, float *den, float *s, int64_t pf,
+                                int in_order, const int fused)
 {
     const int64_t dim = a->head_dim, sq = a->q_len, g = a->q_heads / a->kv_heads;
-    const int kb = rb == 1 ? 8 : (wide ? 16 : 8) / rb;
-    block_scores(qs + r0 * dim, kc, a->k_strides[2], cn, dim, rb, kb, pf, in_order, fused, s);
+    const int kb = rb == 1 ? 8 : (wide ? 16 : 8) / tr;
+    block_scores(qs + r0 * dim, kc, a->k_strides[2], cn, dim, rb, tr, kb, pf, in_order, fused,
+                 s);
     int masked = 0; /* any key of this chunk excluded for some row of the block */
     if (a->vis)
         for (int r = 0; r < rb; ++r) {
@@ -502,8 +528,8 @@ MPITREE_INLINE void block_chunk(const mpitree_attn_args *a, const float *qs, con
         if (scale[r] != 1.0f)
             for (int64_t x = 0; x < dim; ++x)
                 acc[(r0 + r) * dim + x] *= scale[r];
-    block_values(s, vc, a->v_strides[2], cn, dim, rb, (wide ? 16 : 8) / rb,
-                 acc + r0 * dim, masked, pf, in_order, fused);
+    block_values(s, vc, a->v_strides[2], cn, dim, rb, tr, (wide ? 16 : 8) / tr, acc + r0 * dim,
+                 masked, pf, in_order, fused);
 }
 
 /* The whole kernel as build `level` runs it (4: blocking for 32 vector registers,
@@ -544,27 +570,31 @@ MPITREE_INLINE void attend_rows(const mpitree_attn_args *a, const float *q, cons
                 for (int64_t r0 = 0; r0 < rows;) {
                     const int64_t left = rows - r0, p0 = r0 ? 0 : ahead;
                     float *sb = s + r0 * CHUNK;
-                    /* blocks of 8 rows where the build has the registers (v3, v4): a
-                     * GQA group of 8 (Llama-3 70B) streams each chunk in one pass, not in
-                     * a prefetching block of 4 then one reading L2 (kernel_bw.py, 64/8, %
-                     * of the read floor: v4 49-53% -> 61-66%, v3 46% -> 56%); 16 or 32
-                     * rows, compute-bound, run 2-5% faster than in blocks of 4
-                     * (tree_verify.py, 4 and 8 nodes of a 32/8 layer) */
+                    /* blocks of 8 rows in the v3 and v4 builds: a GQA group of 8
+                     * (Llama-3 70B) streams each chunk in one pass, not in a prefetching
+                     * block of 4 then one reading L2 (Intel Xeon VM, kernel_bw.py, 64/8,
+                     * % of the read floor: v4 49-53% -> 61-66%, v3 46% -> 56%). v3 runs
+                     * one as two tiles of 4 rows (8 accumulators, 12 loads per 16
+                     * multiply-adds, against 9 per 8 as one tile of 8 x 1 keys): AMD
+                     * Zen 4 VM, kernel_bw.py against one tile, 64/8 1.19-1.20x, 32 rows
+                     * 1.23-1.27x; v4 keeps one tile of 8 rows x 2 keys (32 registers).
+                     * The same bits either way: only block_weights' lanes follow the
+                     * block */
                     if (eight && left >= 8) {
-                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 8, wide, acc, mx, den, sb, p0,
-                                    in_order, fused);
+                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 8, wide ? 8 : 4, wide, acc,
+                                    mx, den, sb, p0, in_order, fused);
                         r0 += 8;
                     } else if (left >= 4) {
-                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 4, wide, acc, mx, den, sb, p0,
-                                    in_order, fused);
+                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 4, 4, wide, acc, mx, den,
+                                    sb, p0, in_order, fused);
                         r0 += 4;
                     } else if (left >= 2) {
-                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 2, wide, acc, mx, den, sb, p0,
-                                    in_order, fused);
+                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 2, 2, wide, acc, mx, den,
+                                    sb, p0, in_order, fused);
                         r0 += 2;
                     } else {
-                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 1, wide, acc, mx, den, sb, p0,
-                                    in_order, fused);
+                        block_chunk(a, qs, kc, vc, cn, b, h, c0, r0, 1, 1, wide, acc, mx, den,
+                                    sb, p0, in_order, fused);
                         r0 += 1;
                     }
                 }
