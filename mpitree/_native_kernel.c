@@ -10,8 +10,9 @@
 /* accumulates the numerators                                                */
 /* (rows x columns accumulators, a V vector loaded once feeds every row).    */
 /* The v3 build runs a block of 8 rows as two register tiles of 4 over each  */
-/* few keys in turn (the second finds them in L1): its 16 registers hold a   */
-/* tile's accumulators with fewer loads per multiply-add.                    */
+/* few keys in turn (the second finds them in L1): in its 16 registers, the  */
+/* score pass loads fewer vectors per multiply-add, and the value pass       */
+/* broadcasts fewer weights (4 per 8 multiply-adds, against 8).              */
 /* K and V come from memory once (later row blocks hit the chunk in L2).     */
 /* Lines a fixed distance ahead are prefetched into L2 (the passes read      */
 /* several key rows side by side, an order the hardware prefetcher does not  */
@@ -224,12 +225,14 @@ MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int
     const int64_t d8 = dim & ~(int64_t)7, nb = n - n % kb;
     const int64_t reach = (d8 + 15) & ~(int64_t)15; /* floats whose lines the steps prefetch */
     const v8f zero = {0};
-    v8f qt[4][7]; /* the tail columns' q lanes of tile t's group g of 8 scores */
+    /* the tail columns' q lanes of tile t's group g of 8 scores, at (t * kb + g) / 8:
+     * rb * kb <= 16 (two tiles of 8 accumulators, or one of up to 16) */
+    v8f qt[2][7];
     for (int t = 0; t < rb; t += tr)
         for (int g = 0; g < tr * kb; g += 8)
             for (int64_t x = d8; x < dim; ++x)
                 for (int i = 0; i < 8; ++i)
-                    qt[(t / tr) * 2 + g / 8][x - d8][i] = q[(t + (g + i) % tr) * dim + x];
+                    qt[(t * kb + g) / 8][x - d8][i] = q[(t + (g + i) % tr) * dim + x];
     for (int64_t j = 0; j < nb; j += kb) {
         const float *kj = k + j * ks;
         if (pf > 0 && reach < dim)
@@ -271,7 +274,7 @@ MPITREE_INLINE void block_scores(const float *q, const float *k, int64_t ks, int
                     v8f ka;
                     for (int i = 0; i < 8; ++i)
                         ka[i] = kj[((g + i) / tr) * ks + x];
-                    sv = fma8(qt[(t / tr) * 2 + g / 8][x - d8], ka, sv, fused);
+                    sv = fma8(qt[(t * kb + g) / 8][x - d8], ka, sv, fused);
                 }
                 if (tr == rb)
                     store8(s + j * rb + g, sv);
@@ -651,7 +654,8 @@ attend_v4(const mpitree_attn_args *a, const float *q, const float *k, const floa
           float *out, float *scratch, int in_order)
 {
     /* The wider blocking pays where a KV head's rows make the work compute-bound (8 or
-     * more: a GQA group of 8, tree verification; 8 rows x 2 keys against v3's 8 x 1);
+     * more: a GQA group of 8, tree verification; one tile of 8 rows x 2 keys against
+     * v3's two tiles of 4 x 2);
      * fewer rows stream memory better with v3's blocking (Intel Xeon VM, 512 MB of K+V,
      * % of the read floor, 4-row blocks narrow against wide, before blocks of 8: GQA
      * 32/8 82% / 78%, SmolLM2's 9/3 at D = 64 65% / 59%), and better still as v3's own
