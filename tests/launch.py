@@ -29,8 +29,8 @@ LAUNCHER_FAILURES = ("PMIx server's listener thread failed to start",)
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(n, args, env=None, timeout=120):
-    """Run ``args`` on ``n`` ranks from the checkout's root; return the CompletedProcess (text)."""
+def run(n, args, env=None, timeout=120, cwd=ROOT):
+    """Run ``args`` on ``n`` ranks in ``cwd`` (default: the root); return the CompletedProcess."""
     full_env = {**os.environ, **(env or {})}
     full_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     full_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
@@ -42,7 +42,7 @@ def run(n, args, env=None, timeout=120):
             text=True,
             timeout=timeout,
             check=False,
-            cwd=ROOT,  # the examples' and benchmarks' relative paths hold from any cwd
+            cwd=cwd,  # the root: the examples' and benchmarks' relative paths hold from any cwd
         )
         output = proc.stdout + proc.stderr
         if proc.returncode == 0 or not any(f in output for f in LAUNCHER_FAILURES):
