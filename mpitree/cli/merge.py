@@ -6,7 +6,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .._merger import Merger
-from .._op import native_op_available, python_op, record_op
+from .._op import native_op_available, python_op
 from .._runtime import default_comm
 
 
@@ -39,8 +39,7 @@ def run(args):
         return merger.buf, lambda: merger.merge(lambda records: None)
 
     plain, pybuf = data.copy(), data.copy()
-    rec, _ = record_op(np.float32, dim)
-    pyop = python_op(np.float32, dim + 2)
+    pyrec, pyop = python_op(np.float32, dim + 2)
     methods = {  # name -> (buffer restored before each merge, merge)
         "MPI.SUM allreduce (same bytes)": (
             plain,
@@ -50,7 +49,7 @@ def run(args):
         "allreduce, native op, persistent": reducer("allreduce", persistent=True),
         "allreduce, numpy Python op": (
             pybuf,
-            lambda: comm.Allreduce(MPI.IN_PLACE, [pybuf, rows + 1, rec], pyop),
+            lambda: comm.Allreduce(MPI.IN_PLACE, [pybuf, rows + 1, pyrec], pyop),
         ),
         "allreduce3 (paper's Alg. 3)": reducer("allreduce3"),
         "allgather + local merge": reducer("allgather"),
@@ -70,6 +69,7 @@ def run(args):
     slow = np.empty_like(times)
     comm.Allreduce(times, slow, op=MPI.MAX)
     pyop.Free()
+    pyrec.Free()
     if comm.Get_rank() == 0:
         med = np.median(slow, axis=1) * 1e6
         base = med[0]
