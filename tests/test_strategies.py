@@ -97,15 +97,25 @@ def test_every_module_registers_one_strategy():
 
 
 @pytest.mark.parametrize("name", TODAY)
-def test_declared_attributes(name):
+def test_todays_attributes(name):
     cls = REGISTRY[name]
-    assert issubclass(cls, Strategy) and cls.name == name
     got = (cls.needs_kv, cls.uses_op, cls.persistent, cls.reproducible, cls.modelled)
     assert (*got, cls.auto_priority) == ATTRIBUTES[name]
     assert cls.buffers == ("host", "pinned")
+
+
+@pytest.mark.parametrize("name", tuple(REGISTRY))
+def test_every_strategy_declares_what_the_lists_need(name):
+    """What every registered strategy (today's, and one added later) must declare."""
+    cls = REGISTRY[name]
+    assert issubclass(cls, Strategy) and cls.name == name
     assert cls.summary and "\n" not in cls.summary
     assert len(cls.short or name) <= 10  # bench's columns are 11 wide
     assert len((cls.label or name).format(nodes="real")) <= 34  # merge's first column
+    flags = (cls.needs_kv, cls.uses_op, cls.persistent, cls.reproducible, cls.modelled)
+    assert all(type(flag) is bool for flag in flags)
+    assert cls.buffers and set(cls.buffers) <= {"host", "pinned", "device"}
+    assert cls.auto_priority is None or type(cls.auto_priority) is int
 
 
 def test_register_refuses_bad_declarations():
