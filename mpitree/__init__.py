@@ -23,7 +23,7 @@ __version__ = "0.2.0"
 def __getattr__(name):
     """``mpitree.STRATEGIES``: the names ``strategy=`` takes, ``"auto"`` first (a tuple).
 
-    Read from the strategy registry (``mpitree._strategies``), so it lists every
+    Read from the strategy registry, which ``mpitree._strategies`` fills with every
     strategy module the package holds.
     """
     if name == "STRATEGIES":
