@@ -21,6 +21,7 @@ from ._oneshot_lane import (
 )
 from ._options import INVARIANT, Options, dtype_name, resolve_scale
 from ._recurring import _RECURRING_SIZE, _options_key, _recurring_calls, _remember, _state_calls
+from ._registry import REGISTRY
 from ._runtime import limit_blas_threads
 from ._state import State, finish
 from ._step import _layout, prepare_attention
@@ -234,8 +235,8 @@ def allreduce_state(
         if not isinstance(state, State):
             raise TypeError(f"state must be an mpitree.State, got {type(state).__name__}")
         opts = Options.resolve(state.head_dim, strategy, None, deterministic, node_size)
-        if opts.strategy == "ring":
-            raise ValueError("strategy 'ring' moves K/V; use tree_decode for it")
+        if opts.strategy in REGISTRY and REGISTRY[opts.strategy].needs_kv:
+            raise ValueError(f"strategy {opts.strategy!r} moves K/V; use tree_decode for it")
         acc = dtype_name(state.records.dtype)
         sig = {"rows": tuple(state.shape), "head_dim": state.head_dim, "dtype": acc}
         sig.update(opts.signature())

@@ -51,15 +51,57 @@ def _mpi_op_create(fn_ptr):
 
 
 def python_op(dtype, width):
-    """Create the numpy fallback op for records of ``width`` values (Python per reduction)."""
+    """Return ``(record datatype, op)``: the numpy fallback combine, built together.
+
+    The op runs :func:`~mpitree._state.combine_records` in Python per reduction.
+    Its user function never raises (an exception there aborts the MPI job): it takes
+    the record width from the datatype MPI hands it, so it merges whole records of
+    any count, and its own datatype is the one to pair it with. Whatever it cannot
+    merge (a datatype that is not whole records, or anything numpy raises on) it
+    writes as NaN, which a flagged merge reports as a failure on every rank.
+
+    Parameters
+    ----------
+    dtype : numpy dtype
+        float32 or float64.
+    width : int
+        Values per record, ``D + 2`` (at least 2).
+
+    Returns
+    -------
+    rec : mpi4py.MPI.Datatype
+        The committed contiguous record datatype of ``width`` values.
+    op : mpi4py.MPI.Op
+        The commutative op; the caller frees both.
+    """
     dtype = np.dtype(dtype)
+    itemsize = dtype.itemsize
 
     def fn(inmem, inoutmem, datatype):
-        a = np.frombuffer(inmem, dtype=dtype).reshape(-1, width)
-        b = np.frombuffer(inoutmem, dtype=dtype).reshape(-1, width)
-        b[...] = combine_records(a, b)
+        ours = np.frombuffer(inoutmem, dtype=np.uint8)
+        try:
+            record = datatype.Get_size() // itemsize  # this call's width, from its datatype
+            if record < 2 or ours.size % (record * itemsize):
+                raise ValueError("the datatype is not whole (m, d, n) records of this dtype")
+            a = np.frombuffer(inmem, dtype=dtype).reshape(-1, record)
+            b = ours.view(dtype).reshape(-1, record)
+            with np.errstate(all="ignore"):
+                b[...] = combine_records(a, b)
+        except Exception:  # never out of a user function (MPI would abort): NaN, reported
+            ours[...] = 0xFF  # all-ones bytes: a NaN in float32 and in float64
 
-    return MPI.Op.Create(fn, commute=True)
+    return _paired(dtype, width, lambda: MPI.Op.Create(fn, commute=True))
+
+
+def _paired(dtype, width, make_op):
+    """Return ``(record datatype, make_op())``; the datatype is freed if no op is made."""
+    base = MPI.FLOAT if dtype == np.float32 else MPI.DOUBLE
+    rec = base.Create_contiguous(width).Commit()
+    try:
+        return rec, make_op()
+    except Exception:
+        rec.Free()
+        raise
 
 
 def record_op(dtype, width):
@@ -93,27 +135,26 @@ def _create(dtype, width):
             f"mpitree: all {lib.mpitree_nslots()} native op slots for float{bits} are in use "
             f"(one per distinct record width); cannot create one for width {width}"
         )
-    base = MPI.FLOAT if dtype == np.float32 else MPI.DOUBLE
-    rec = base.Create_contiguous(width).Commit()
+
+    def native_op():
+        slot = _next_slot[bits]
+        _next_slot[bits] = slot + 1
+        return _mpi_op_create(lib.mpitree_bind_slot(bits, slot, width - 2))
+
     try:
         if lib is not None:
-            slot = _next_slot[bits]
-            _next_slot[bits] = slot + 1
-            op = _mpi_op_create(lib.mpitree_bind_slot(bits, slot, width - 2))
-        else:
-            if not _warned:
-                warnings.warn(
-                    f"mpitree: native MPI combine unavailable ({load_error()}); using a numpy "
-                    "Python op, about 3-5x slower per merge",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-                _warned = True
-            op = python_op(dtype, width)
+            return _paired(dtype, width, native_op)
+        if not _warned:
+            warnings.warn(
+                f"mpitree: native MPI combine unavailable ({load_error()}); using a numpy "
+                "Python op, about 3-5x slower per merge",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            _warned = True
+        return python_op(dtype, width)
     except Exception as exc:
-        rec.Free()
         raise RuntimeError(f"mpitree: cannot create an MPI op for width {width}: {exc}") from exc
-    return rec, op
 
 
 @atexit.register

@@ -1,4 +1,4 @@
-"""Strategy names, option checks and the accumulation-dtype rule, each defined once."""
+"""Option checks, the strategy names' check and the accumulation-dtype rule, each defined once."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-STRATEGIES = ("auto", "allreduce", "allreduce3", "allgather", "ring", "hierarchical")
+from ._registry import AUTO, REGISTRY, strategy_names
+
 FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
 NODE_SIZE_ENV = "MPITREE_NODE_SIZE"
 _MAX_NODE_SIZE = 1 << 30
@@ -42,10 +43,17 @@ def acc_dtype(dtype) -> np.dtype:
     return np.dtype(acc_name(dtype))
 
 
+def __getattr__(name):
+    """``STRATEGIES``: :func:`~mpitree._registry.strategy_names`, read from the registry."""
+    if name == "STRATEGIES":
+        return strategy_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def check_strategy(strategy) -> str:
-    """Validate a strategy name."""
-    if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    """Validate a strategy name: ``"auto"`` or a registered strategy's."""
+    if not isinstance(strategy, str) or (strategy != AUTO and strategy not in REGISTRY):
+        raise ValueError(f"strategy must be one of {strategy_names()}, got {strategy!r}")
     return strategy
 
 

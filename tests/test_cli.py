@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from launch import run
 
 import mpitree
@@ -159,3 +160,54 @@ def test_model_warns_when_extrapolating_a_calibration(tmp_path):
     assert "measured ranks = 4;" in far.stderr and "ranks = 64 extrapolate" in far.stderr
     assert "measured tokens = 4096 to 16384;" in far.stderr
     assert "tokens = 1048576 extrapolate" in far.stderr
+
+
+# what an abort, a crash or an uncaught error prints (the merge's numpy op once aborted so)
+CRASHES = ("Abort", "Fatal Python error", "Traceback", "user-defined reduction", "Segmentation")
+# the merge table's methods, in order (from the strategy registry, but for the two references)
+MERGE_ROWS = [
+    "MPI.SUM allreduce (same bytes)",
+    "allreduce, native op",
+    "allreduce, native op, persistent",
+    "allreduce, numpy Python op",
+    "allreduce3 (paper's Alg. 3)",
+    "allgather + local merge",
+    "hierarchical (nodes of 2)",
+]
+# every subcommand but generate (a real model) and cluster (network namespaces), kept tiny
+SUBCOMMANDS = {
+    "demo": ["--tokens", "512", "--q-heads", "4", "--kv-heads", "2", "--steps", "1"],
+    "bench": ["--quick", "--tokens", "256", "--workloads", "llama3-8b", "--steps", "1"],
+    "model": ["--ranks", "2,4", "--tokens", "4096"],
+    "merge": ["--rows", "4", "--head-dim", "16", "--iters", "3", "--warmup", "1"],
+}
+
+
+def assert_clean(res, what):
+    """The launch exited 0 and printed no abort, crash or traceback."""
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, f"{what}: exit {res.returncode}\n{out[-3000:]}"
+    crashed = [text for text in CRASHES if text in out]
+    assert not crashed, f"{what}: {crashed}\n{out[-3000:]}"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_merge_runs_clean_on_several_ranks(n):
+    """``python -m mpitree merge`` (its default shapes, few merges) runs on real ranks.
+
+    It once aborted: the numpy op's row ran against a datatype of another width.
+    A timeout (a hang) fails the test too.
+    """
+    res = run(n, [PY, "-m", "mpitree", "merge", "--iters", "5", "--warmup", "2"], timeout=60)
+    assert_clean(res, f"merge on {n} ranks")
+    rows = [line[:34].rstrip() for line in res.stdout.splitlines()[2:-1]]
+    assert rows == MERGE_ROWS, res.stdout
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_subcommand_runs_clean(n):
+    """demo, bench, model and merge, each launched as a user would, at 1 to 4 ranks."""
+    for command, args in SUBCOMMANDS.items():
+        res = run(n, [PY, "-m", "mpitree", command, *args], timeout=60)
+        assert_clean(res, f"{command} on {n} ranks")
+        assert res.stdout.strip(), f"{command} on {n} ranks printed nothing"

@@ -208,12 +208,13 @@ def test_merge_exp_is_accurate(dtype):
 def test_numpy_fallback_op_is_the_definition(seed, dim, dtype):
     """The Python MPI op used without the compiled library is combine_records itself."""
     a, b = records(seed, dim, dtype, 0), records(seed, dim, dtype, 1)
-    op = _op.python_op(dtype, dim + 2)
+    rec, op = _op.python_op(dtype, dim + 2)
     try:
         io = b.copy()
-        op.Reduce_local(a, io)
+        op.Reduce_local([a, len(a), rec], [io, len(io), rec])
     finally:
         op.Free()
+        rec.Free()
     assert_same_bits(io, combine_records(a, b))
 
 

@@ -8,12 +8,27 @@ from .._state import merge_records
 from .._traffic import traffic
 from . import Strategy, flagged, register, set_flag
 
+# Without the native op, gathering p states and merging locally measured as fast as
+# or faster than Algorithm 3 for p <= 8 (README, "Choosing a strategy"); past that
+# the all-gather's p-fold volume and O(p) merge lose to log-depth all-reduces.
+MAX_RANKS = 8
+
 
 @register
 class Allgather(Strategy):
     """One all-gather, then a fixed-order merge: bitwise identical on every rank and run."""
 
     name = "allgather"
+    order = 2
+    summary = "one MPI_Allgather of every rank's records, merged locally in rank order"
+    label = "allgather + local merge"
+    reproducible = True
+    auto_priority = 2
+
+    @classmethod
+    def auto_fits(cls, size, native, nodes, ranks_per_node, ring_library):
+        """Without the native op, up to :data:`MAX_RANKS` ranks."""
+        return not native and size <= MAX_RANKS
 
     def __init__(self, merger, node_size=0, persistent=True):
         super().__init__(merger, node_size, persistent)

@@ -23,6 +23,17 @@ class Allreduce(Strategy):
     """One all-reduce (a persistent ``MPI_Allreduce_init`` request where MPI has it)."""
 
     name = "allreduce"
+    order = 0
+    summary = "one MPI_Allreduce of the records with the native (m, d, n) user op"
+    label = "allreduce, native op"
+    uses_op = True
+    persistent = True
+    auto_priority = 1
+
+    @classmethod
+    def auto_fits(cls, size, native, nodes, ranks_per_node, ring_library):
+        """With the native op, anywhere (``hierarchical`` goes first where it fits)."""
+        return native
 
     def __init__(self, merger, node_size=0, persistent=True):
         super().__init__(merger, node_size, persistent)

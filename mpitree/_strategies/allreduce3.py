@@ -21,6 +21,16 @@ class Allreduce3(Strategy):
     """Three all-reduces with built-in ops; the flag rides in the first (a max)."""
 
     name = "allreduce3"
+    order = 1
+    summary = "the paper's Algorithm 3: MPI_Allreduce(MAX) of m, then SUMs of d and n"
+    label = "allreduce3 (paper's Alg. 3)"
+    modelled = False
+    auto_priority = 3
+
+    @classmethod
+    def auto_fits(cls, size, native, nodes, ranks_per_node, ring_library):
+        """Without the native op, anywhere (``allgather`` goes first where it fits)."""
+        return not native
 
     def reduce(self, local, failed):
         """MAX of m (flag included), then SUM of the rescaled d and n."""

@@ -15,6 +15,19 @@ class Hierarchical(Strategy):
     """Two levels of the native op, on real nodes or virtual nodes of ``node_size`` ranks."""
 
     name = "hierarchical"
+    order = 3
+    summary = (
+        "the native op in two levels: reduce in each node, all-reduce among leaders, broadcast"
+    )
+    short = "hierarch."
+    label = "hierarchical (nodes of {nodes})"
+    uses_op = True
+    auto_priority = 0
+
+    @classmethod
+    def auto_fits(cls, size, native, nodes, ranks_per_node, ring_library):
+        """With the native op, across several nodes of several ranks, under a ring library."""
+        return native and nodes > 1 and ranks_per_node > 1 and ring_library
 
     def __init__(self, merger, node_size=0, persistent=True):
         super().__init__(merger, node_size, persistent)

@@ -22,6 +22,10 @@ class Ring(Strategy):
     """
 
     name = "ring"
+    order = 4
+    summary = "the Ring Attention baseline: K/V blocks travel the ring in p - 1 steps"
+    needs_kv = True
+    reproducible = True
 
     def reduce(self, local, failed):
         """Header all-gather (flags included), p - 1 block exchanges, one final flag all-reduce."""

@@ -15,6 +15,7 @@ from .._local import local_state, state_records
 from .._namespace import namespace
 from .._op import native_op_available
 from .._runtime import default_comm, limit_blas_threads, ranks_on_node
+from .._strategies import REGISTRY
 from .._traffic import traffic
 from ._display import NOISE, NOISE_NOTE, overhead, progress
 
@@ -27,7 +28,6 @@ WORKLOADS = {
     "llama3-70b": dict(q_heads=64, kv_heads=8, head_dim=128),
 }
 DEFAULT_WORKLOADS = ("llama3-8b", "paper-block")
-STRATEGIES = ("allreduce", "allreduce3", "allgather", "hierarchical", "ring")
 DEFAULT_TOKENS = "32768,65536,131072,262144"
 QUICK_TOKENS = "2048,4096"
 
@@ -140,9 +140,10 @@ def measure(comm, args, workload, tokens):
     q = np.random.default_rng(7).standard_normal((args.batch, hq, 1, dim), dtype=np.float32)
     k = rng.standard_normal((args.batch, hkv, int(sizes[rank]), dim), dtype=np.float32)
     v = rng.standard_normal((args.batch, hkv, int(sizes[rank]), dim), dtype=np.float32)
+    strategies = tuple(REGISTRY)  # every registered strategy, in the registry's order
     plans = {
         s: DecodePlan(args.batch, hq, hkv, dim, comm=comm, strategy=s, node_size=args.node_size)
-        for s in STRATEGIES
+        for s in strategies
     }
 
     outputs, sent, extra = {}, {}, {}
@@ -182,8 +183,8 @@ def measure(comm, args, workload, tokens):
     own = kv_bytes / np.median(times[:3], axis=1)
     bw = np.array(comm.allgather(own))  # (p, 3): read, kernel, numpy
     ratio = np.median(bw[:, 1] / bw[:, 0])
-    counted = np.array(comm.allgather([sent[s] for s in STRATEGIES])).max(axis=0)
-    mem = np.array(comm.allgather([extra[s] for s in STRATEGIES])).max(axis=0)
+    counted = np.array(comm.allgather([sent[s] for s in strategies])).max(axis=0)
+    mem = np.array(comm.allgather([extra[s] for s in strategies])).max(axis=0)
     cell = {
         "workload": workload,
         **shape,
@@ -193,8 +194,8 @@ def measure(comm, args, workload, tokens):
         "shard_tokens": sizes.tolist(),
         "dtype": "float32",
         "times": {n: _stats(slow[i]) for i, n in enumerate(names)},
-        "bytes_sent_per_rank": dict(zip(STRATEGIES, counted.tolist(), strict=False)),
-        "extra_peak_bytes_per_rank": dict(zip(STRATEGIES, mem.tolist(), strict=False)),
+        "bytes_sent_per_rank": dict(zip(strategies, counted.tolist(), strict=False)),
+        "extra_peak_bytes_per_rank": dict(zip(strategies, mem.tolist(), strict=False)),
         "max_abs_diff_vs_allreduce": diff,
         "bandwidth_gbs": {
             "read": float(np.median(bw[:, 0]) / 1e9),
@@ -233,8 +234,9 @@ def report(env, cells, steps):
     )
     print(f"MPI: {' '.join(env['mpi_library'].split(',')[0].split())}")  # Open MPI's runs long
     print(f"CPU: {env['cpu']}; local kernel: {env['kernel_build']}")
-    short = {"local (C kernel)": "local", "hierarchical": "hierarch."}
-    timed = ("local (C kernel)", *STRATEGIES)
+    strategies = tuple(REGISTRY)
+    short = {"local (C kernel)": "local", **{n: c.short for n, c in REGISTRY.items() if c.short}}
+    timed = ("local (C kernel)", *strategies)
     noisy = False
     for wl in dict.fromkeys(c["workload"] for c in cells):
         rows = [c for c in cells if c["workload"] == wl]
@@ -276,7 +278,7 @@ def report(env, cells, steps):
                     overhead(
                         c["times"][s]["median_ms"] - c["times"]["local (C kernel)"]["median_ms"]
                     )
-                    for s in STRATEGIES
+                    for s in strategies
                 ],
             )
             for c in rows
@@ -284,7 +286,7 @@ def report(env, cells, steps):
         noisy = noisy or any(NOISE in values for _, values in over)
         _table(
             "overhead over local attention, ms: median step time minus local's",
-            [short.get(s, s) for s in STRATEGIES],
+            [short.get(s, s) for s in strategies],
             over,
         )
         _table(
@@ -384,7 +386,7 @@ def plot(cells, path):
         rows = sorted((c for c in cells if c["workload"] == wl), key=lambda c: c["tokens"])
         base = rows[0]["times"]["ring"]["median_ms"]
         n = [c["tokens"] for c in rows]
-        for name in (*STRATEGIES, "local (C kernel)"):
+        for name in (*REGISTRY, "local (C kernel)"):
             ax.plot(
                 n,
                 [c["times"][name]["median_ms"] / base for c in rows],

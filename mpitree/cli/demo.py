@@ -13,9 +13,9 @@ from .._local import local_state
 from .._op import native_op_available
 from .._reference import reference_attention
 from .._runtime import default_comm
+from .._strategies import REGISTRY
 from ._display import NOISE, NOISE_NOTE, overhead, progress
 
-STRATEGY_ORDER = ("allreduce", "allreduce3", "allgather", "hierarchical", "ring")
 # Max |out - float64 reference| allowed by default: the test suite's bounds (tests/helpers.py).
 # K and V are standard normal, so every output, a weighted mean of V rows, has unit-scale
 # inputs and the rounding error stays near eps * O(1) however long the context (measured:
@@ -128,6 +128,7 @@ def run(args):
                 flush=True,
             )
 
+    strategies = tuple(REGISTRY)  # every registered strategy, in the registry's order
     plans = {
         s: DecodePlan(
             args.batch,
@@ -139,7 +140,7 @@ def run(args):
             comm=comm,
             strategy=s,
         )
-        for s in STRATEGY_ORDER
+        for s in strategies
     }
     tick(0, "first decode, every strategy")
     outputs = {s: plan.decode(q, k, v) for s, plan in plans.items()}
@@ -158,7 +159,7 @@ def run(args):
         passed = {s: e <= tolerance for s, e in ref_err.items()}  # NaN fails
         failed = not all(passed.values())
 
-    names = ("local only", *STRATEGY_ORDER)
+    names = ("local only", *strategies)
     times = np.zeros((len(names), args.steps))
     for step in range(args.warmup + args.steps):
         timed = step >= args.warmup
@@ -208,7 +209,7 @@ def run(args):
             print(NOISE_NOTE)
         worst = max(ref_err.values())
         if failed:
-            bad = ", ".join(s for s in STRATEGY_ORDER if not passed[s])
+            bad = ", ".join(s for s in strategies if not passed[s])
             print(f"FAIL: {bad} beyond the tolerance {tolerance:g} (max |err| {worst:.2e})")
         else:
             print(

@@ -6,8 +6,9 @@ import numpy as np
 from mpi4py import MPI
 
 from .._merger import Merger
-from .._op import native_op_available, python_op, record_op
+from .._op import native_op_available, python_op
 from .._runtime import default_comm
+from .._strategies import REGISTRY
 
 
 def add_arguments(parser):
@@ -22,6 +23,19 @@ def add_arguments(parser):
         default=2,
         help="virtual node size for the hierarchical strategy (0: real nodes)",
     )
+
+
+def merged(node_size):
+    """Return ``(name, row label)`` of every strategy that merges records, in registry order.
+
+    A strategy that moves keys and values (``needs_kv``) has no records-only merge to time.
+    """
+    nodes = node_size or "real"
+    return [
+        (name, (cls.label or name).format(nodes=nodes))
+        for name, cls in REGISTRY.items()
+        if not cls.needs_kv
+    ]
 
 
 def run(args):
@@ -39,23 +53,22 @@ def run(args):
         return merger.buf, lambda: merger.merge(lambda records: None)
 
     plain, pybuf = data.copy(), data.copy()
-    rec, _ = record_op(np.float32, dim)
-    pyop = python_op(np.float32, dim + 2)
+    pyrec, pyop = python_op(np.float32, dim + 2)
     methods = {  # name -> (buffer restored before each merge, merge)
         "MPI.SUM allreduce (same bytes)": (
             plain,
             lambda: comm.Allreduce(MPI.IN_PLACE, plain, MPI.SUM),
         ),
-        "allreduce, native op": reducer("allreduce"),
-        "allreduce, native op, persistent": reducer("allreduce", persistent=True),
-        "allreduce, numpy Python op": (
-            pybuf,
-            lambda: comm.Allreduce(MPI.IN_PLACE, [pybuf, rows + 1, rec], pyop),
-        ),
-        "allreduce3 (paper's Alg. 3)": reducer("allreduce3"),
-        "allgather + local merge": reducer("allgather"),
-        f"hierarchical (nodes of {args.node_size or 'real'})": reducer("hierarchical"),
     }
+    for name, label in merged(args.node_size):
+        methods[label] = reducer(name)
+        if REGISTRY[name].persistent:
+            methods[f"{label}, persistent"] = reducer(name, persistent=True)
+        if name == "allreduce":  # its op in numpy, beside it: what the compiled op saves
+            methods["allreduce, numpy Python op"] = (
+                pybuf,
+                lambda: comm.Allreduce(MPI.IN_PLACE, [pybuf, rows + 1, pyrec], pyop),
+            )
     names = list(methods)
     times = np.zeros((len(names), args.iters))
     for it in range(args.warmup + args.iters):
@@ -70,6 +83,7 @@ def run(args):
     slow = np.empty_like(times)
     comm.Allreduce(times, slow, op=MPI.MAX)
     pyop.Free()
+    pyrec.Free()
     if comm.Get_rank() == 0:
         med = np.median(slow, axis=1) * 1e6
         base = med[0]
