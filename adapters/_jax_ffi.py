@@ -5,7 +5,7 @@ XLA calls the handlers (``ctypes`` functions registered with
 viewed here as numpy arrays without a copy (a ``jax.pure_callback`` or
 ``io_callback`` copies its operands, 0.5 GiB a step at 128K keys):
 
-- :func:`records`, local: :func:`mpitree.extend.attend` runs the core's C
+- :func:`records`, local: :func:`mpitree._local.attend` runs the core's C
   kernel on K/V in place into the call's result buffer. It never fails in XLA:
   a kernel error is kept (:func:`failure`) and the call's second result, a
   flag, carries it into the merge's agreement, so every rank raises (an XLA
@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpitree import extend
+from mpitree._local import attend
+from mpitree._namespace import namespace
 
 try:  # the ordered effect of the merge: JAX internals (as mpi4jax uses them)
     from jax._src.callback import _OrderedIOEffect
@@ -164,7 +165,7 @@ _API_VERSION = (0, 1)  # the XLA FFI C API version these mirrors follow
 _INTERNAL = 13  # XLA_FFI_Error_Code_INTERNAL
 FAILED = 2  # the flag bit of a failed kernel call (the adapter's kv_len check is bit 1)
 _DTYPES = {1: np.bool_, 4: np.int32, 11: np.float32, 12: np.float64}  # PRED S32 F32 F64
-_NUMPY = extend.namespace(np.zeros(0, np.float32))
+_NUMPY = namespace(np.zeros(0, np.float32))
 _HANDLER = ctypes.CFUNCTYPE(_ptr, _ptr)
 _failures = []  # the kernel errors not yet raised (by failure())
 if "_hosts" not in globals():  # a reload keeps the keys compiled programs already hold
@@ -200,7 +201,7 @@ def _attend(frame):
         else:
             lens = x.reshape(-1)
     scale = float(scale.reshape(-1)[0]) if scale.size else 1.0
-    extend.attend(
+    attend(
         _NUMPY, _fold(q, lead), _fold(k, lead), _fold(v, lead), scale, lens, vis, _fold(out, lead)
     )
 

@@ -21,6 +21,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without CuPy
     raise missing("mpitree.adapters.cupy", "cupy", exc) from exc
 
 from mpitree import DecodePlan, extend, tree_decode
+from mpitree._checks import check_masking, check_qkv
+from mpitree._local import state_records
+from mpitree._masks import visibility
 
 __all__ = ["DecodePlan", "local_state", "tree_decode"]
 
@@ -37,10 +40,10 @@ def local_state(q, k, v, *, scale=None, kv_len=None, q_pos=None, k_pos=None, mas
         ``(B, Hq, Sq, D + 2)`` records ``[m, d, n]``, float64 for float64 inputs,
         else float32, natural-log units.
     """
-    ns, problem, t = extend.check_qkv(q, k, v)
+    ns, problem, t = check_qkv(q, k, v)
     if not isinstance(q, cupy.ndarray):
         raise TypeError(f"mpitree.adapters.cupy.local_state takes CuPy arrays, got {ns.name}")
-    kv_len, q_pos, k_pos, mask = extend.check_masking(ns, problem, t, kv_len, q_pos, k_pos, mask)
+    kv_len, q_pos, k_pos, mask = check_masking(ns, problem, t, kv_len, q_pos, k_pos, mask)
     scale = extend.Options.resolve(problem.head_dim, scale=scale).scale
-    lens, vis = extend.visibility(ns, problem.batch, problem.q_len, t, kv_len, q_pos, k_pos, mask)
-    return extend.state_records(ns, q, k, v, scale, lens, vis, problem.acc)
+    lens, vis = visibility(ns, problem.batch, problem.q_len, t, kv_len, q_pos, k_pos, mask)
+    return state_records(ns, q, k, v, scale, lens, vis, problem.acc)

@@ -30,6 +30,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without flash-at
     raise missing("mpitree.adapters.flash_attn", "flash_attn", exc) from exc
 
 from mpitree import extend
+from mpitree._namespace import namespace
+from mpitree._options import dtype_name
 
 __all__ = ["local_state", "records_from_lse", "tree_decode"]
 
@@ -83,7 +85,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table):
         raise ValueError(f"block_table must be (B={b}, max_blocks), got {tuple(block_table.shape)}")
     if isinstance(cache_seqlens, torch.Tensor) and tuple(cache_seqlens.shape) != (b,):
         raise ValueError(f"cache_seqlens must have shape ({b},)")
-    name = extend.dtype_name(q.dtype)
+    name = dtype_name(q.dtype)
     return extend.Problem.of(b, hq, hkv, d, sq, name)
 
 
@@ -185,7 +187,7 @@ def tree_decode(
 
     def fill(records):
         rec = _records(q, k_cache, v_cache, cache_seqlens, block_table, opts.scale)
-        records[...] = extend.namespace(rec).to_numpy(rec).reshape(records.shape)
+        records[...] = namespace(rec).to_numpy(rec).reshape(records.shape)
 
     records = merger.merge(fill).reshape(*problem.row_shape, -1)
     like = q.transpose(1, 2)

@@ -55,6 +55,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without JAX
     raise missing("mpitree.adapters.jax", "jax", exc) from exc
 
 from mpitree import extend
+from mpitree._options import dtype_name
 
 from . import _jax_ffi
 
@@ -181,7 +182,7 @@ def _check_qkv(q, k, v):
             )
         if x.ndim != 4:
             raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(x.shape)}")
-    names = {extend.dtype_name(x.dtype) for x in (q, k, v)}
+    names = {dtype_name(x.dtype) for x in (q, k, v)}
     if len(names) > 1:
         raise TypeError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:

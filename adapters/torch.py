@@ -3,7 +3,9 @@
 The core takes torch tensors directly (``mpitree.tree_decode``, ``DecodePlan``):
 it recognises them without importing torch and returns results on their device.
 This module adds what only torch users need: :func:`local_state` returning the
-records as a tensor on the tensors' device, and :func:`cuda_aware`.
+records as a tensor on the tensors' device, and :func:`cuda_aware`. It also holds
+torch's device code, the namespace the core gives every torch tensor (the core
+imports this module on the first tensor it sees).
 
 Local attention: float32 CPU tensors run the compiled kernel on memory shared
 with numpy (no copy); bfloat16 CUDA tensors without a mask run torch's fused
@@ -28,7 +30,10 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise missing("mpitree.adapters.torch", "torch", exc) from exc
 
-from mpitree import DecodePlan, extend, tree_decode
+from mpitree import DecodePlan, _namespace, extend, tree_decode
+from mpitree._checks import check_masking, check_qkv
+from mpitree._local import state_records
+from mpitree._masks import visibility
 
 __all__ = ["DecodePlan", "cuda_aware", "local_state", "tree_decode"]
 
@@ -75,10 +80,119 @@ def local_state(q, k, v, *, scale=None, kv_len=None, q_pos=None, k_pos=None, mas
         the fused CUDA kernel they are ``[lse, 1, out]``: the same state (``n / d``
         and ``m + log d`` agree), though ``m`` is then not the row's max score.
     """
-    ns, problem, t = extend.check_qkv(q, k, v)
+    ns, problem, t = check_qkv(q, k, v)
     if ns.name != "torch":
         raise TypeError(f"mpitree.adapters.torch.local_state takes torch tensors, got {ns.name}")
-    kv_len, q_pos, k_pos, mask = extend.check_masking(ns, problem, t, kv_len, q_pos, k_pos, mask)
+    kv_len, q_pos, k_pos, mask = check_masking(ns, problem, t, kv_len, q_pos, k_pos, mask)
     scale = extend.Options.resolve(problem.head_dim, scale=scale).scale
-    lens, vis = extend.visibility(ns, problem.batch, problem.q_len, t, kv_len, q_pos, k_pos, mask)
-    return extend.state_records(ns, q, k, v, scale, lens, vis, problem.acc)
+    lens, vis = visibility(ns, problem.batch, problem.q_len, t, kv_len, q_pos, k_pos, mask)
+    return state_records(ns, q, k, v, scale, lens, vis, problem.acc)
+
+
+class CudaTorch(_namespace.Torch):
+    """torch's array namespace with its CUDA paths, which the core gives every torch tensor.
+
+    Adds to the core's device-independent operations torch's fused flash kernel
+    for bfloat16 CUDA tensors (:meth:`fused_records`) and page-locked host buffers
+    for staging CUDA records (:meth:`pinned_empty`).
+    """
+
+    def fused_records(self, q, k, v, scale, lens=None):
+        """Return float32 records of q over k, v from torch's fused flash kernel, or None.
+
+        For bfloat16 CUDA tensors (NVIDIA, compute capability 8.0 or later, torch 2.2
+        or later, flash attention enabled) with a head dimension of a multiple of 8 up
+        to 256, 16-byte aligned rows and no gradient to track; None elsewhere, and
+        for good on a device where the kernel refused a call. float16 is left to the
+        matmuls: the kernel rounds the softmax weights to float16 before P @ V, and
+        the small weights of a long flat tail fall in float16's subnormals (over 2e-3
+        off at 128K keys).
+
+        The GQA group is folded into the query rows, so K and V are read once. With
+        ``lens`` (int ``(B,)``, in ``[0, T]``) each batch row is one call over its
+        first ``lens[b]`` keys (one call for all when every row sees every key):
+        what lies past them is never read. The kernel accumulates in float32 and
+        gives its output rounded to q's dtype and a float32 natural-log lse: the
+        records are ``[lse, 1, out]``, the same state as ``[m, d, n]`` (``n / d`` and
+        ``m + log d`` agree), and a row with no key is the empty state. A result
+        with a NaN or infinity in it (non-finite inputs; a row whose every score is
+        -inf, to which the kernel gives lse +inf) is dropped: None, so that the
+        caller's matmuls give the pattern :func:`reference_attention` gives.
+        """
+        if not self._flash_applies(q, k, v):
+            return None
+        host = None if lens is None else lens.tolist()
+        try:
+            if host is None or all(n == k.shape[2] for n in host):
+                out, lse = self._flash(q, k, v, scale)
+            else:
+                parts = [
+                    self._flash(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], scale)
+                    for i, n in enumerate(host)
+                ]
+                out, lse = (self.t.cat(x, 0) for x in zip(*parts, strict=True))
+        except self.t.cuda.OutOfMemoryError:
+            raise  # the guard raises it on every rank; the kernel itself is fine
+        except RuntimeError:  # refused before launch (a build or device without the kernel)
+            _FLASH[q.device] = False
+            return None
+        t = self.t
+        if not bool(t.isfinite(out).all() & (lse < float("inf")).all()):
+            return None  # a non-finite input met: the matmul path gives its exact pattern
+        seen = lse != -float("inf")
+        return t.cat([lse, seen.float(), t.where(seen, out.float(), 0)], -1)
+
+    def _flash_applies(self, q, k, v):
+        """Whether :meth:`fused_records` may call the kernel on these tensors."""
+        t = self.t
+        if q.device.type != "cuda" or q.dtype != t.bfloat16 or not _flash_capable(t, q.device):
+            return False
+        d = int(q.shape[3])
+        if d % 8 or d > 256 or (t.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
+            return False
+        return all(  # 16-byte aligned rows: the kernel loads 16 bytes at a time
+            x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and not any(s % 8 for s in x.stride()[:-1])
+            for x in (q, k, v)
+        )
+
+    def _flash(self, q, k, v, scale):
+        """Return (out ``(B, Hq, Sq, D)`` in q's dtype, lse ``(B, Hq, Sq, 1)`` float32)."""
+        t = self.t
+        b, hq, sq, d = (int(s) for s in q.shape)
+        hkv, keys = int(k.shape[1]), int(k.shape[2])
+        if keys == 0:
+            lse = t.full((b, hq, sq, 1), -float("inf"), dtype=t.float32, device=q.device)
+            return t.zeros_like(q), lse
+        folded = q.reshape(b, hkv, hq // hkv * sq, d)
+        flash = t.ops.aten._scaled_dot_product_flash_attention
+        out, lse = flash(folded, k, v, scale=scale)[:2]
+        return out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq, 1)
+
+    def pinned_empty(self, shape, name, like=None):
+        """Return a host numpy array for staging ``like``'s device data (pinned for CUDA)."""
+        pin = like is not None and like.device.type == "cuda"
+        return self.t.empty(tuple(shape), dtype=self.dtype(name), pin_memory=pin).numpy()
+
+
+_FLASH = {}  # a CUDA device -> whether torch's flash kernel runs there (looked up once)
+
+
+def _flash_capable(torch, device):
+    """Whether torch's flash kernel may run on ``device``.
+
+    NVIDIA only (ROCm's flash kernel has given wrong values for non-contiguous V),
+    compute capability 8.0 or later, torch 2.2 or later (2.1's older kernel pads its
+    lse and takes D <= 128), and flash attention not switched off
+    (``torch.backends.cuda.enable_flash_sdp(False)``).
+    """
+    if device not in _FLASH:
+        version = tuple(int(x) for x in torch.__version__.split(".")[:2])
+        _FLASH[device] = (
+            torch.version.hip is None
+            and version >= (2, 2)
+            and torch.cuda.get_device_capability(device)[0] >= 8
+        )
+    return _FLASH[device] and torch.backends.cuda.flash_sdp_enabled()
+
+
+_namespace.register("torch", CudaTorch)

@@ -9,7 +9,7 @@ logits at ``--vocab``), float32, one thread, for M rows, interleaved over rounds
 median, and prints beside it:
 
 * ``read``: streaming the same weights once with mpitree's compiled loop
-  (``mpitree.extend.read_seconds``): the floor of any M;
+  (``mpitree.extend.tools.read_seconds``): the floor of any M;
 * ``rows apart``: each row its own ``F.linear`` (M one-row products);
 * ``arithmetic``: 2 M flops a weight at the rate ``F.linear`` reaches on
   ``--big`` rows (its GEMM's own peak on this core): the floor where it exceeds
@@ -30,7 +30,10 @@ import time
 import numpy as np
 import torch
 
-from mpitree.extend import read_seconds
+from mpitree import extend
+
+tools = getattr(extend, "tools", extend)  # trees before extend.tools (8d5d047): extend's own
+read_seconds = tools.read_seconds
 
 
 def weights(hidden, kv, intermediate, vocab, seed=0):

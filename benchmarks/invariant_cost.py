@@ -8,7 +8,7 @@ steps, slowest rank):
   with ``kv_start``), no per-step agreement;
 - ``kernel``: the local work alone: the C kernel over the shard (default), the
   leaf states of its blocks reduced to its canonical-tree pieces, the placement
-  check included (invariant: ``mpitree.extend.invariant_pieces``);
+  check included (invariant: ``mpitree.extend.tools.invariant_pieces``);
 - ``merge``: the communication and combining alone, local work already done.
 
 Shards sit on the power-of-two block grid ("aligned": each rank's T / block_size
@@ -25,17 +25,19 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpitree import DecodePlan, default_comm
-from mpitree.extend import (
-    INVARIANT,
-    Prepared,
-    invariant_pieces,
-    kernel_isa,
-    merger_for,
-    plan_merger,
-    prepare_attention,
-    traffic,
+from mpitree import DecodePlan, default_comm, extend
+from mpitree.extend import traffic
+
+tools = getattr(extend, "tools", extend)  # trees before extend.tools (8d5d047): extend's own
+Prepared, invariant_pieces, kernel_isa, merger_for, plan_merger, prepare_attention = (
+    tools.Prepared,
+    tools.invariant_pieces,
+    tools.kernel_isa,
+    tools.merger_for,
+    tools.plan_merger,
+    tools.prepare_attention,
 )
+INVARIANT = "invariant"  # deterministic="invariant": the canonical tree's merger
 
 HEAD_DIM = 128
 

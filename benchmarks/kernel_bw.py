@@ -18,14 +18,16 @@ import time
 
 import numpy as np
 
-from mpitree import local_state
-from mpitree.extend import (
-    Prepared,
-    kernel_isa,
-    kernel_levels,
-    kernel_read_order,
-    read_seconds,
-    select_kernel,
+from mpitree import extend, local_state
+
+tools = getattr(extend, "tools", extend)  # trees before extend.tools (8d5d047): extend's own
+Prepared, kernel_isa, kernel_levels, kernel_read_order, read_seconds, select_kernel = (
+    tools.Prepared,
+    tools.kernel_isa,
+    tools.kernel_levels,
+    tools.kernel_read_order,
+    tools.read_seconds,
+    tools.select_kernel,
 )
 
 SHAPES = {  # (Hq, Hkv, D, Sq): rows a KV head = Hq / Hkv * Sq

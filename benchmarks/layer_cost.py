@@ -40,11 +40,14 @@ import mpitree
 
 
 def kernel_class():
-    """Return the tree's bound-kernel class (``extend.Prepared``; older trees kept it private)."""
-    try:
-        from mpitree.extend import Prepared
-    except ImportError:  # a tree older than extend.Prepared (e.g. fe6c268)
-        from mpitree._kernel import Prepared
+    """Return the tree's bound-kernel class (``extend.tools.Prepared``; see below for older)."""
+    from mpitree import extend
+
+    tools = getattr(extend, "tools", extend)  # 8d5d047: ``extend.Prepared``
+    if hasattr(tools, "Prepared"):
+        return tools.Prepared
+    from mpitree._kernel import Prepared  # a tree older than extend.Prepared (e.g. fe6c268)
+
     return Prepared
 
 

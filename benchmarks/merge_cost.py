@@ -63,11 +63,13 @@ def paper_allreduce3(comm, buf):
 def baseline_compat(pkg, plan):
     """Return ``plan``'s merger and the bound-kernel class of ``pkg``, however old.
 
-    Trees from fe6c268 (issue 25's start) on: those before ``extend.plan_merger`` and
-    ``extend.Prepared`` kept them as private names.
+    Trees from fe6c268 (issue 25's start) on: those before ``extend.tools`` (8d5d047)
+    had ``extend.plan_merger`` and ``extend.Prepared``; those before them kept them as
+    private names.
     """
-    if hasattr(pkg.extend, "plan_merger"):
-        return pkg.extend.plan_merger(plan), pkg.extend.Prepared
+    tools = getattr(pkg.extend, "tools", pkg.extend)
+    if hasattr(tools, "plan_merger"):
+        return tools.plan_merger(plan), tools.Prepared
     kernel = importlib.import_module(f"{pkg.__name__}._kernel")
     return plan._merger, kernel.Prepared
 
@@ -83,7 +85,8 @@ def package_methods(pkg, comm, shape, keys, rank):
     state = pkg.State(rng.standard_normal((b, hq, sq, dim + 2)).astype(np.float32))
     plan = pkg.DecodePlan(b, hq, hkv, dim, q_len=sq, comm=comm)
     merger, prepared_class = baseline_compat(pkg, plan)
-    paper = pkg.extend.Merger(comm, rows, dim, "float32", "allreduce3")
+    merger_class = getattr(pkg.extend, "tools", pkg.extend).Merger  # 8d5d047: extend.Merger
+    paper = merger_class(comm, rows, dim, "float32", "allreduce3")
     for buf in (merger.buf, paper.buf):
         buf[:-1] = rng.standard_normal((rows, dim + 2))
     records = np.empty((rows, dim + 2), np.float32)

@@ -5,7 +5,7 @@ with T keys per rank, times side by side, interleaved, in one run (median over
 steps, slowest rank):
 
 - ``step``: ``plan.decode`` with the fast path (unchanged layout: no re-validation);
-- ``step (full checks)``: the same inside ``mpitree.extend.full_checks()``
+- ``step (full checks)``: the same inside ``mpitree.extend.tools.full_checks()``
   (what every step paid before the fast path);
 - ``kernel``: the C kernel alone on preallocated records;
 - ``merge``: one merge alone (the plan's merger, records already filled).
@@ -23,8 +23,15 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpitree import DecodePlan, default_comm
-from mpitree.extend import Prepared, full_checks, kernel_isa, plan_merger
+from mpitree import DecodePlan, default_comm, extend
+
+tools = getattr(extend, "tools", extend)  # trees before extend.tools (8d5d047): extend's own
+Prepared, full_checks, kernel_isa, plan_merger = (
+    tools.Prepared,
+    tools.full_checks,
+    tools.kernel_isa,
+    tools.plan_merger,
+)
 
 
 def measure(comm, t, steps):

@@ -25,7 +25,7 @@ from ._state import finish
 from ._step import KernelSlot, local_attention, validated
 
 FAST_PATH = True  # plans skip re-validating an unchanged layout (False: benchmarks, tests)
-_full_blocks = 0  # open extend.full_checks blocks: FAST_PATH is (_full_blocks == 0)
+_full_blocks = 0  # open extend.tools.full_checks blocks: FAST_PATH is (_full_blocks == 0)
 _full_lock = threading.Lock()
 
 
@@ -329,7 +329,7 @@ class full_checks:
 
     Examples
     --------
-    >>> with extend.full_checks():                    # doctest: +SKIP
+    >>> with extend.tools.full_checks():              # doctest: +SKIP
     ...     plan.decode(q, k, v)                      # re-validated
     """
 

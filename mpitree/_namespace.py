@@ -6,10 +6,14 @@ imported, no tensor can exist, so nothing here ever imports a framework. Every
 module that handles arrays (the local kernel, masks, the output finish, energy,
 spec) asks :func:`namespace` for the operations whose spelling differs between
 frameworks, and writes everything else with operators shared by all four.
+Torch's device code (its CUDA flash kernel, pinned host buffers) lives in the
+torch adapter: the first torch tensor seen imports it (torch is loaded by then),
+and it registers its namespace class with :func:`register`.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any
 
@@ -227,7 +231,13 @@ class NumpyLike:
 
 
 class Torch:
-    """torch, on the tensors' device."""
+    """torch, on the tensors' device: the operations every device shares.
+
+    The torch adapter's subclass (registered with :func:`register`) adds the
+    device paths: :meth:`fused_records` (torch's flash kernel on CUDA) and
+    :meth:`pinned_empty` (page-locked staging for CUDA); :func:`namespace` gives
+    every torch tensor that subclass.
+    """
 
     name = "torch"
 
@@ -392,82 +402,6 @@ class Torch:
         out = self.t.from_numpy(a)
         return out if like is None or like.device.type == "cpu" else out.to(like.device)
 
-    def fused_records(self, q, k, v, scale, lens=None):
-        """Return float32 records of q over k, v from torch's fused flash kernel, or None.
-
-        For bfloat16 CUDA tensors (NVIDIA, compute capability 8.0 or later, torch 2.2
-        or later, flash attention enabled) with a head dimension of a multiple of 8 up
-        to 256, 16-byte aligned rows and no gradient to track; None elsewhere, and
-        for good on a device where the kernel refused a call. float16 is left to the
-        matmuls: the kernel rounds the softmax weights to float16 before P @ V, and
-        the small weights of a long flat tail fall in float16's subnormals (over 2e-3
-        off at 128K keys).
-
-        The GQA group is folded into the query rows, so K and V are read once. With
-        ``lens`` (int ``(B,)``, in ``[0, T]``) each batch row is one call over its
-        first ``lens[b]`` keys (one call for all when every row sees every key):
-        what lies past them is never read. The kernel accumulates in float32 and
-        gives its output rounded to q's dtype and a float32 natural-log lse: the
-        records are ``[lse, 1, out]``, the same state as ``[m, d, n]`` (``n / d`` and
-        ``m + log d`` agree), and a row with no key is the empty state. A result
-        with a NaN or infinity in it (non-finite inputs; a row whose every score is
-        -inf, to which the kernel gives lse +inf) is dropped: None, so that the
-        caller's matmuls give the pattern :func:`reference_attention` gives.
-        """
-        if not self._flash_applies(q, k, v):
-            return None
-        host = None if lens is None else lens.tolist()
-        try:
-            if host is None or all(n == k.shape[2] for n in host):
-                out, lse = self._flash(q, k, v, scale)
-            else:
-                parts = [
-                    self._flash(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], scale)
-                    for i, n in enumerate(host)
-                ]
-                out, lse = (self.t.cat(x, 0) for x in zip(*parts, strict=True))
-        except self.t.cuda.OutOfMemoryError:
-            raise  # the guard raises it on every rank; the kernel itself is fine
-        except RuntimeError:  # refused before launch (a build or device without the kernel)
-            _FLASH[q.device] = False
-            return None
-        t = self.t
-        if not bool(t.isfinite(out).all() & (lse < float("inf")).all()):
-            return None  # a non-finite input met: the matmul path gives its exact pattern
-        seen = lse != -float("inf")
-        return t.cat([lse, seen.float(), t.where(seen, out.float(), 0)], -1)
-
-    def _flash_applies(self, q, k, v):
-        """Whether :meth:`fused_records` may call the kernel on these tensors."""
-        t = self.t
-        if q.device.type != "cuda" or q.dtype != t.bfloat16 or not _flash_capable(t, q.device):
-            return False
-        d = int(q.shape[3])
-        if d % 8 or d > 256 or (t.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
-            return False
-        return all(  # 16-byte aligned rows: the kernel loads 16 bytes at a time
-            x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and not any(s % 8 for s in x.stride()[:-1])
-            for x in (q, k, v)
-        )
-
-    def _flash(self, q, k, v, scale):
-        """Return (out ``(B, Hq, Sq, D)`` in q's dtype, lse ``(B, Hq, Sq, 1)`` float32)."""
-        t = self.t
-        b, hq, sq, d = (int(s) for s in q.shape)
-        hkv, keys = int(k.shape[1]), int(k.shape[2])
-        if keys == 0:
-            lse = t.full((b, hq, sq, 1), -float("inf"), dtype=t.float32, device=q.device)
-            return t.zeros_like(q), lse
-        folded = q.reshape(b, hkv, hq // hkv * sq, d)
-        flash = t.ops.aten._scaled_dot_product_flash_attention
-        out, lse = flash(folded, k, v, scale=scale)[:2]
-        return out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq, 1)
-
-    def pinned_empty(self, shape, name, like=None):
-        """Return a host numpy array for staging ``like``'s device data (pinned for CUDA)."""
-        pin = like is not None and like.device.type == "cuda"
-        return self.t.empty(tuple(shape), dtype=self.dtype(name), pin_memory=pin).numpy()
-
     def refuse_gradient(self, outputs, inputs):
         """Tie ``outputs`` to the graph of ``inputs`` needing grad, with a backward that raises.
 
@@ -483,27 +417,6 @@ class Torch:
         if not needing:
             return outputs
         return _refused(self.t).apply(len(outputs), *outputs, *needing)[: len(outputs)]
-
-
-_FLASH = {}  # a CUDA device -> whether torch's flash kernel runs there (looked up once)
-
-
-def _flash_capable(torch, device):
-    """Whether torch's flash kernel may run on ``device``.
-
-    NVIDIA only (ROCm's flash kernel has given wrong values for non-contiguous V),
-    compute capability 8.0 or later, torch 2.2 or later (2.1's older kernel pads its
-    lse and takes D <= 128), and flash attention not switched off
-    (``torch.backends.cuda.enable_flash_sdp(False)``).
-    """
-    if device not in _FLASH:
-        version = tuple(int(x) for x in torch.__version__.split(".")[:2])
-        _FLASH[device] = (
-            torch.version.hip is None
-            and version >= (2, 2)
-            and torch.cuda.get_device_capability(device)[0] >= 8
-        )
-    return _FLASH[device] and torch.backends.cuda.flash_sdp_enabled()
 
 
 NO_GRADIENT = (
@@ -536,6 +449,27 @@ def _refused(torch):
 
 _NUMPY = NumpyLike("numpy", np)
 _TORCH = {}  # the torch module -> its namespace (built once)
+_REGISTERED = {}  # framework -> the namespace class its adapter registered
+
+
+def register(framework, cls):
+    """Make ``cls(module)`` the namespace of ``framework``'s arrays (its adapter, on import).
+
+    Parameters
+    ----------
+    framework : str
+        ``"torch"``.
+    cls : type
+        A subclass of :class:`Torch`, built once with the framework's module.
+    """
+    _REGISTERED[framework] = cls
+
+
+def _torch_namespace(torch):
+    """Return torch's namespace: the adapter's class, the adapter imported the first time."""
+    if "torch" not in _REGISTERED:
+        importlib.import_module("mpitree.adapters.torch")  # registers its class on import
+    return _REGISTERED["torch"](torch)
 
 
 def namespace(*arrays):
@@ -579,7 +513,7 @@ def _namespace_of(x):
     if torch is not None:
         ns = _TORCH.get(torch)
         if ns is None:
-            ns = _TORCH[torch] = Torch(torch)
+            ns = _TORCH[torch] = _torch_namespace(torch)
         return ns
     cupy = _cupy_module(x)
     if cupy is not None:

@@ -1,6 +1,6 @@
 """Sharded prefill's collectives: all-gather ranks' rows, reduce-scatter their states.
 
-Adapters reach them through :mod:`mpitree.extend`.
+Adapters reach :func:`allgather_rows` through :mod:`mpitree.extend`.
 
 Every rank holds a different chunk of the prompt's queries, keys and values.
 Either every rank's keys and values are all-gathered and each rank attends its
@@ -135,7 +135,7 @@ def reduce_scatter_records(comm, send, counts, fill, recv=None):
         its ``send[0]``'s size and dtype (before any communication).
     Exception
         When ``fill`` raised on any rank: that rank raises its own exception, the
-        others :class:`~mpitree.extend.RankError`.
+        others :class:`~mpitree.RankError`.
     """
     rank, width = comm.Get_rank(), send.shape[-1]
     if send.ndim != 4 or send.shape[:2] != (comm.Get_size(), max(counts) + 1):

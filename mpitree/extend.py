@@ -1,4 +1,7 @@
-"""The documented extension API for adapters: the guarded path and the shared merger.
+"""The extension API: the guarded path for adapters, and what benchmarks measure with.
+
+Thirteen names, stable within a minor version; everything else of the core is
+private and free to change.
 
 An adapter that brings its own local attention (a fused kernel, another cache
 layout) joins mpitree's guarantees by following the core's own pattern::
@@ -11,64 +14,55 @@ layout) joins mpitree's guarantees by following the core's own pattern::
 
         def prepare():                     # every local check, inside the guard
             ...validate q and cache...
-            opts = extend.Options.resolve(head_dim, strategy)
-            merge = (rows, head_dim, "float32", opts)   # the merger it needs
-            return extend.Call(signature, payload, merge=merge)
+            problem = extend.Problem.of(B, Hq, Hkv, D, Sq, "float32")
+            opts = extend.Options.resolve(D, strategy)
+            merge = (problem.rows, D, problem.acc, opts)   # the merger it needs
+            return extend.Call(problem.signature(), payload, merge=merge)
 
         # the one agreement collective, then the agreed strategy's shared merger
         call, merger = extend.agree_merger(comm, prepare, like=q)
         records = merger.merge(fill)       # fill(records) runs inside the guard
         return extend.finish(records.reshape(B, Hq, Sq, -1), q)
 
-``agree_merger`` is the whole recipe: the native op the merge needs is created
-inside the guard, ``"auto"`` resolves with the agreed native-op fact and the
-options' node size, and every rank gets the same merger. With
-``deterministic="invariant"`` it is the merger of canonical-tree pieces:
-``merger.merge(lambda: extend.invariant_pieces(attention, block_size, kv_start,
-kv_blocks, acc))`` returns the ``(rows, D + 2)`` records of the tree's root, and the
-signature gains the kernel's arithmetic (``extend.invariant_signature``). A call that
-merges nothing (``merge=None``) gets no merger: ``extend.agree`` alone is enough.
+The adapter's recipe:
 
-Sharded prefill (each rank holds other queries) has two collectives of its own,
-in buffers the caller may keep for every layer: ``allgather_rows`` hands every
-rank every rank's rows (in place). The transformers adapter gathers keys and
-values with it, attends each rank's own queries locally, and carries the verdict
-in a ``flagged_allreduce``. The other route gathers the queries instead:
-``reduce_scatter_records`` merges each rank's partial states of all of them, laid
-out by ``scatter_layout``, and hands every rank its own, a failure anywhere
-raising on every rank. It moves more bytes than the keys and values (the
-queries, then a state of every query from every rank), but each rank computes
-over its own keys only.
+- :func:`entry_point` marks a public function that communicates (it checks that
+  MPI is usable and registers the function for the bad-input catalogue test);
+  :func:`check_comm` checks the communicator, the one check that cannot be agreed.
+- ``prepare()`` runs every local check and returns a :class:`Call`: the
+  signature every rank must agree on (:class:`Problem` gives a decode's,
+  :class:`Options` validates the strategy and the scale), what the adapter needs
+  afterwards, and the merger it needs.
+- :func:`agree_merger` is the whole recipe after that: one agreement collective
+  whose verdict raises on every rank when any rank's checks failed, then the
+  agreed strategy's shared merger (``"auto"`` resolved with the agreed native-op
+  fact and the options' node size). ``merger.merge(fill)`` runs ``fill(records)``
+  inside the guard and merges the ``(rows, D + 2)`` records across ranks. A call
+  that merges nothing (``merge=None``) needs only :func:`agree`.
+- :func:`finish` turns the merged records into the output (and the lse).
 
-Benchmarks and tools measure through the same layer, locally (no MPI):
-``phase_times`` times the phases of calls made inside a ``with`` block,
-``traffic`` counts the bytes handed to MPI, ``Prepared`` runs the compiled kernel
-alone, ``read_seconds`` times the read floor, ``kernel_isa`` names the kernel
-build (``kernel_levels`` lists the builds this CPU runs, ``select_kernel`` picks
-one, ``kernel_read_order`` says or forces how one row per KV head reads),
-``plan_merger`` gives a plan's merger (its merge alone) and
-``full_checks`` turns a plan's fast path off. None of them costs anything
-when unused.
+A rank's exception is raised there and :class:`mpitree.RankError` on the other
+ranks. Sharded prefill, where each rank holds other queries, has two collectives
+of its own: :func:`allgather_rows` hands every rank every rank's rows (in a
+buffer the caller may keep for every layer), and :func:`flagged_allreduce`
+carries a failure flag with a built-in reduction, so that a failure anywhere
+raises on every rank.
 
-Everything here is public and stable within a minor version; adapters in
-``mpitree.adapters`` use nothing else of the core.
+Benchmarks and tools measure through the same layer, locally (no MPI), at no
+cost when unused: :func:`phase_times` times the phases of the calls made inside a
+``with`` block, :data:`traffic` counts the bytes handed to MPI, and :data:`tools`
+holds the internals they time (the compiled kernel alone, its builds, a plan's
+merger), which may change between minor versions.
 """
 
+import types
+
 from ._agreed import agree_merger
-from ._checks import Problem, check_masking, check_qkv
+from ._checks import Problem
 from ._decode_plan import full_checks, plan_merger
-from ._guard import (
-    ENTRY_POINTS,
-    Call,
-    RankError,
-    agree,
-    check_comm,
-    entry_point,
-    flagged_allreduce,
-)
-from ._invariant_step import invariant_pieces, invariant_signature
+from ._guard import ENTRY_POINTS, Call, agree, check_comm, entry_point, flagged_allreduce
+from ._invariant_step import invariant_pieces
 from ._kernel import (
-    BoundLayer,
     Prepared,
     kernel_isa,
     kernel_levels,
@@ -76,15 +70,11 @@ from ._kernel import (
     read_seconds,
     select_kernel,
 )
-from ._local import attend, state_records
-from ._masks import visibility
 from ._merger import Merger, merger_for
-from ._namespace import namespace
-from ._options import INVARIANT, Options, acc_name, dtype_name
-from ._prefill_collectives import allgather_rows, reduce_scatter_records, scatter_layout
-from ._state import combine_records, empty_records, finish, merge_records
-from ._step import Attention, KernelSlot, prepare_attention
-from ._strategies import op_needed, resolve
+from ._options import Options
+from ._prefill_collectives import allgather_rows
+from ._state import finish
+from ._step import prepare_attention
 from ._traffic import phase_times
 from ._traffic import traffic as _traffic
 
@@ -97,51 +87,59 @@ from ._traffic import traffic as _traffic
 #: ``extend.traffic.bytes`` after ``extend.traffic.reset()`` and the step.
 traffic = _traffic
 
+
+class _Tools(types.SimpleNamespace):
+    """The core's internals that benchmarks and tests time: see :data:`tools`."""
+
+    def __repr__(self):
+        return "mpitree.extend.tools"
+
+
+#: The internals benchmarks and tests time, in one namespace, local (no MPI) and
+#: free to change between minor versions (everything else of the core is private):
+#:
+#: - ``tools.Prepared``: the compiled kernel alone, bound to one layout
+#:   (``Prepared.of(q, k, v, scale)``, then ``.run(q, k, v, None, out)``).
+#: - ``tools.read_seconds(x)``: seconds to stream-read a contiguous float32 array
+#:   once, the read floor of the kernel.
+#: - ``tools.kernel_isa()`` names the kernel build that runs, ``tools.kernel_levels()``
+#:   lists the builds this CPU runs, ``tools.select_kernel(level)`` picks one and
+#:   ``tools.kernel_read_order(force)`` says or forces how one row per KV head reads.
+#: - ``tools.plan_merger(plan)``: a :class:`mpitree.DecodePlan`'s merger (its merge
+#:   alone); ``with tools.full_checks():`` turns plans' fast path off.
+#: - ``tools.Merger`` and ``tools.merger_for``: a merger of its own and the one a
+#:   communicator shares; ``tools.prepare_attention`` and
+#:   ``tools.invariant_pieces``: a local attention step and its canonical-tree
+#:   pieces (``deterministic="invariant"``).
+#: - ``tools.ENTRY_POINTS``: every :func:`entry_point`, by qualified name.
+tools = _Tools(
+    Prepared=Prepared,
+    read_seconds=read_seconds,
+    kernel_isa=kernel_isa,
+    kernel_levels=kernel_levels,
+    select_kernel=select_kernel,
+    kernel_read_order=kernel_read_order,
+    plan_merger=plan_merger,
+    full_checks=full_checks,
+    Merger=Merger,
+    merger_for=merger_for,
+    prepare_attention=prepare_attention,
+    invariant_pieces=invariant_pieces,
+    ENTRY_POINTS=ENTRY_POINTS,
+)
+
 __all__ = [
-    "Attention",
-    "BoundLayer",
     "Call",
-    "ENTRY_POINTS",
-    "INVARIANT",
-    "KernelSlot",
-    "Merger",
     "Options",
-    "Prepared",
     "Problem",
-    "RankError",
-    "acc_name",
     "agree",
     "agree_merger",
     "allgather_rows",
-    "attend",
     "check_comm",
-    "check_masking",
-    "check_qkv",
-    "combine_records",
-    "dtype_name",
-    "empty_records",
     "entry_point",
     "finish",
     "flagged_allreduce",
-    "full_checks",
-    "invariant_pieces",
-    "invariant_signature",
-    "kernel_isa",
-    "kernel_levels",
-    "kernel_read_order",
-    "merge_records",
-    "merger_for",
-    "namespace",
-    "op_needed",
     "phase_times",
-    "plan_merger",
-    "prepare_attention",
-    "read_seconds",
-    "reduce_scatter_records",
-    "resolve",
-    "scatter_layout",
-    "select_kernel",
-    "state_records",
+    "tools",
     "traffic",
-    "visibility",
 ]

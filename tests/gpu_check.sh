@@ -38,7 +38,7 @@ for name in ("cupy", "jax", "transformers", "flash_attn"):
         print(name, importlib.import_module(name).__version__)
     except Exception as exc:
         print(name, "unavailable:", type(exc).__name__, str(exc)[:120])
-print("native op:", mpitree.native_op_available(), "| kernel ISA:", extend.kernel_isa())
+print("native op:", mpitree.native_op_available(), "| kernel ISA:", extend.tools.kernel_isa())
 EOF
 status=0
 echo "== cuda-marked tests, 1, 2 and 3 ranks"

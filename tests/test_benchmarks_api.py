@@ -9,7 +9,8 @@ one (``importlib.import_module("mpitree._x")``, ``__import__``,
 object (``cache._commit``; another library's modules and a benchmark's own
 ``self`` are its business). Docstrings and command-line help may name private
 modules. What a benchmark needs of the internals has a documented name in
-``mpitree.extend``; the few exceptions are listed in ``ALLOWED`` with the reason.
+``mpitree.extend`` (the internals they time: ``extend.tools``); the few exceptions are listed
+in ``ALLOWED`` with the reason.
 """
 
 import ast

@@ -29,7 +29,7 @@ from standins import fake_cupy, fake_flash_attn
 
 import mpitree
 from mpitree import energy, spec
-from mpitree.extend import ENTRY_POINTS
+from mpitree._guard import ENTRY_POINTS
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,6 +1,8 @@
-"""The measuring names of mpitree.extend: phase timers, traffic, the kernel, a plan's merger."""
+"""mpitree.extend: its small surface, and its measuring names (phase timers, traffic, tools)."""
 
+import ast
 import ctypes
+import inspect
 import sys
 import threading
 
@@ -34,6 +36,25 @@ def originals():
     return {(id(o), a): vars(o)[a] for o, a, _ in _traffic._targets()}
 
 
+def test_the_surface_is_small_and_every_name_documented():
+    """At most 15 public names; a function or class has a docstring, data a ``#:`` comment."""
+    assert len(extend.__all__) <= 15, extend.__all__
+    source = inspect.getsource(extend)
+    commented = {  # module-level assignments with a ``#:`` comment right above them
+        node.targets[0].id
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign) and source.splitlines()[node.lineno - 2].startswith("#:")
+    }
+    for name in extend.__all__:
+        obj = getattr(extend, name)
+        if inspect.isfunction(obj) or inspect.isclass(obj):
+            assert inspect.getdoc(obj), name
+        else:
+            assert name in commented, name
+    for name in vars(extend.tools):  # each tool named in the ``#:`` comment
+        assert f"tools.{name}" in source.split("tools = _Tools(")[0], name
+
+
 def test_phase_times_times_each_phase_and_leaves_nothing_behind():
     q, k, v = arrays()
     before = originals()
@@ -65,9 +86,9 @@ def test_full_checks_turns_the_fast_path_off_inside_only():
     q, k, v = arrays()
     with mpitree.DecodePlan(*SHAPE) as plan:
         fast = plan.decode(q, k, v)
-        with extend.full_checks():
+        with extend.tools.full_checks():
             assert _decode_plan.FAST_PATH is False
-            with extend.full_checks():
+            with extend.tools.full_checks():
                 full = plan.decode(q, k, v)
             assert _decode_plan.FAST_PATH is False  # blocks nest
         assert _decode_plan.FAST_PATH is True
@@ -77,11 +98,11 @@ def test_full_checks_turns_the_fast_path_off_inside_only():
 def test_plan_merger_merges_a_plans_records():
     q, k, v = arrays()
     with mpitree.DecodePlan(*SHAPE) as plan:
-        merger = extend.plan_merger(plan)
+        merger = extend.tools.plan_merger(plan)
         rows, d = SHAPE[0] * SHAPE[1], SHAPE[3]
         assert merger.buf.shape == (rows + 1, d + 2)
         want = np.empty((rows, d + 2), np.float32)
-        extend.Prepared.of(q, k, v, d**-0.5).run(q, k, v, None, want)
+        extend.tools.Prepared.of(q, k, v, d**-0.5).run(q, k, v, None, want)
 
         def fill(records):
             records[...] = want
@@ -89,14 +110,14 @@ def test_plan_merger_merges_a_plans_records():
         out = extend.finish(merger.merge(fill).reshape(1, SHAPE[1], 1, d + 2), q)
     np.testing.assert_allclose(out, reference(q, k, v), rtol=1e-5, atol=1e-5)
     with pytest.raises(TypeError, match="DecodePlan"):
-        extend.plan_merger(object())
+        extend.tools.plan_merger(object())
 
 
 def test_prepared_runs_this_build_or_another():
     q, k, v = arrays(t=70)
     want = mpitree.local_state(q, k, v).records
     out = np.empty_like(want)
-    extend.Prepared.of(q, k, v, SHAPE[3] ** -0.5).run(q, k, v, None, out)
+    extend.tools.Prepared.of(q, k, v, SHAPE[3] ** -0.5).run(q, k, v, None, out)
     np.testing.assert_array_equal(out, want)
     real = ctypes.CDLL(library_path())  # "another build", declared as a benchmark does
     real.mpitree_attend_f32.argtypes = [ctypes.c_void_p] * 6
@@ -113,15 +134,15 @@ def test_prepared_runs_this_build_or_another():
             return real.mpitree_attend_f32(*a)
 
     other = np.empty_like(want)
-    extend.Prepared.of(q, k, v, SHAPE[3] ** -0.5, lib=Other()).run(q, k, v, None, other)
+    extend.tools.Prepared.of(q, k, v, SHAPE[3] ** -0.5, lib=Other()).run(q, k, v, None, other)
     assert used == [1]
     np.testing.assert_array_equal(other, want)
-    assert extend.Prepared.of(q.astype(np.float64), k, v, 1.0) is None
+    assert extend.tools.Prepared.of(q.astype(np.float64), k, v, 1.0) is None
 
 
 def test_kernel_isa_read_seconds_and_traffic():
-    assert isinstance(extend.kernel_isa(), str) and extend.kernel_isa()
-    assert extend.read_seconds(np.ones(1 << 16, np.float32)) > 0
+    assert isinstance(extend.tools.kernel_isa(), str) and extend.tools.kernel_isa()
+    assert extend.tools.read_seconds(np.ones(1 << 16, np.float32)) > 0
     traffic = extend.traffic
     traffic.add(24)
     assert traffic.bytes >= 24 and traffic.calls >= 1
@@ -132,15 +153,15 @@ def test_kernel_isa_read_seconds_and_traffic():
 def test_read_seconds_refuses_what_it_cannot_stream():
     x = np.ones((64, 64), np.float32)
     with pytest.raises(ValueError, match="C-contiguous"):
-        extend.read_seconds(x[:, ::2])
+        extend.tools.read_seconds(x[:, ::2])
     with pytest.raises(ValueError, match="C-contiguous"):
-        extend.read_seconds(x.T)
+        extend.tools.read_seconds(x.T)
     with pytest.raises(TypeError, match="float32"):
-        extend.read_seconds(x.astype(np.float64))
+        extend.tools.read_seconds(x.astype(np.float64))
     with pytest.raises(TypeError, match="float32"):
-        extend.read_seconds([1.0, 2.0])
+        extend.tools.read_seconds([1.0, 2.0])
     with pytest.raises(TypeError, match="float32"):
-        extend.read_seconds(np.ma.masked_array(x))
+        extend.tools.read_seconds(np.ma.masked_array(x))
 
 
 def test_phase_times_restores_everything_after_an_exception():
@@ -178,14 +199,14 @@ def test_phase_times_blocks_of_two_threads_ending_in_either_order():
     a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
 
     def first():
-        with extend.phase_times(), extend.full_checks():
+        with extend.phase_times(), extend.tools.full_checks():
             a_in.set()
             b_in.wait(30)
         a_out.set()
 
     def second():
         a_in.wait(30)
-        with extend.phase_times(), extend.full_checks():
+        with extend.phase_times(), extend.tools.full_checks():
             b_in.set()
             a_out.wait(30)
 
@@ -281,13 +302,13 @@ def test_full_checks_takes_the_full_path(monkeypatch):
         calls.clear()
         plan.decode(q, k, v)
         assert calls == []  # the fast path
-        with extend.full_checks():
+        with extend.tools.full_checks():
             plan.decode(q, k, v)
         assert calls == [1]
 
 
 def test_full_checks_same_instance_and_out_of_order():
-    checks = extend.full_checks()
+    checks = extend.tools.full_checks()
     with checks:
         with checks:
             pass
@@ -295,12 +316,12 @@ def test_full_checks_same_instance_and_out_of_order():
     assert _decode_plan.FAST_PATH is True
 
     def checked():
-        with extend.full_checks():
+        with extend.tools.full_checks():
             yield
 
     gen = checked()
     next(gen)
-    with extend.full_checks():
+    with extend.tools.full_checks():
         gen.close()
         assert _decode_plan.FAST_PATH is False
     assert _decode_plan.FAST_PATH is True

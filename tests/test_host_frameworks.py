@@ -4,6 +4,9 @@ The core suite runs without torch or ml_dtypes; this module needs both (the
 test extra: torch, and jax, which brings ml_dtypes).
 """
 
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -13,6 +16,9 @@ from test_kernel import check_kernel_slot
 from test_state import poisoned_state, random_state
 
 from mpitree import combine, extend
+from mpitree._namespace import namespace
+from mpitree._state import combine_records
+from mpitree._step import Attention
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
@@ -40,8 +46,8 @@ def test_kernel_slot_over_torch_tensors(monkeypatch):
     slot, q, k, v = check_kernel_slot(monkeypatch, torch.from_numpy, torch.Tensor.double)
     lazy = torch._neg_view(-q)  # negated lazily: the slot must read its values, not its memory
     got, want = (np.empty((q.shape[0] * q.shape[1], 18), np.float32) for _ in range(2))
-    slot.fill(extend.Attention(extend.namespace(q), lazy, k, v, 0.3, None, None), got)
-    slot.fill(extend.Attention(extend.namespace(q), q.clone(), k, v, 0.3, None, None), want)
+    slot.fill(Attention(namespace(q), lazy, k, v, 0.3, None, None), got)
+    slot.fill(Attention(namespace(q), q.clone(), k, v, 0.3, None, None), want)
     np.testing.assert_array_equal(got, want)
 
 
@@ -53,7 +59,32 @@ def test_combine_records_torch_is_the_same_definition():
     """
     rng = np.random.default_rng(5)
     a, b = (poisoned_state(rng, (64,), 9, np.float32) for _ in range(2))
-    got = extend.combine_records(torch.from_numpy(a.records), torch.from_numpy(b.records)).numpy()
+    got = combine_records(torch.from_numpy(a.records), torch.from_numpy(b.records)).numpy()
     ref = combine(a, b).records
     assert np.array_equal(np.isnan(got), np.isnan(ref))
     assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+
+
+TORCH_NAMESPACE = """
+import sys, numpy as np, torch, mpitree
+from mpitree._namespace import namespace
+assert "mpitree.adapters.torch" not in sys.modules
+ns = namespace(torch.zeros(2))
+print(type(ns).__module__, type(ns).__name__, "mpitree.adapters.torch" in sys.modules)
+buf = ns.pinned_empty((2, 3), "float32", torch.zeros(1))
+x = torch.zeros(1, 1, 1, 8)
+print(type(buf).__name__, buf.shape, buf.dtype, ns.fused_records(x, x, x, 1.0))
+"""
+
+
+def test_torch_namespace_is_the_adapters_registered_on_first_sight():
+    """The core keeps no torch device code: its first torch tensor imports the torch adapter,
+    whose namespace (CUDA paths included) is then every tensor's; on the CPU nothing fuses."""
+    out = subprocess.run(
+        [sys.executable, "-c", TORCH_NAMESPACE], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == [
+        "mpitree.adapters.torch CudaTorch True",
+        "ndarray (2, 3) float32 None",
+    ], out.stdout

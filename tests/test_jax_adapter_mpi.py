@@ -290,7 +290,7 @@ def test_kernel_error_raises_on_every_rank(form, monkeypatch):
         def fail(*args):
             raise MemoryError("no room")
 
-        monkeypatch.setattr(_jax_ffi.extend, "attend", fail)
+        monkeypatch.setattr(_jax_ffi, "attend", fail)
     decode = {
         "jit": jax.jit(mj.tree_decode),
         "vmap": jax.jit(jax.vmap(mj.tree_decode, in_axes=(0, None, None))),

@@ -415,10 +415,10 @@ def check_kernel_slot(monkeypatch, share, double):
     and new strides, heads or dtype (``double``: a float64 query of the bound shape,
     never run through the float32 binding) rebind it.
     """
-    from mpitree import _step, extend
+    from mpitree import _step
 
     rng = np.random.default_rng(5)
-    slot, binds = extend.KernelSlot(), []
+    slot, binds = _step.KernelSlot(), []
     real_of = _step.Prepared.of
     monkeypatch.setattr(_step.Prepared, "of", lambda *a: binds.append(1) or real_of(*a))
     kbuf, vbuf = rng.standard_normal((2, 2, 2, 40, 16)).astype(np.float32)
@@ -427,7 +427,7 @@ def check_kernel_slot(monkeypatch, share, double):
     cases += [(wide[:, :, :12], vbuf[:, :, :12]), (kbuf[:, :1, :12], vbuf[:, :1, :12])]
 
     def same(q, k, v):
-        att = extend.Attention(extend.namespace(q), q, k, v, 0.3, None, None)
+        att = _step.Attention(namespace(q), q, k, v, 0.3, None, None)
         got = np.empty((q.shape[0] * q.shape[1], 18), np.float32)
         ref = np.empty_like(got)
         slot.fill(att, got)
@@ -461,24 +461,24 @@ def test_every_bound_kernel_runs_a_prompt_as_attend_does(monkeypatch, sq):
     from mpi4py import MPI
 
     import mpitree
-    from mpitree import _local, extend
+    from mpitree import _local, _step, extend
 
     rng = np.random.default_rng(9)
     b, h, t, dim = 2, 4, 300, 64
     q = rng.standard_normal((b, h, sq, dim)).astype(np.float32)
     k, v = (rng.standard_normal((b, h, t, dim)).astype(np.float32) * 3 for _ in "kv")
-    att = extend.Attention(extend.namespace(q), q, k, v, 0.1, None, None)
+    att = _step.Attention(namespace(q), q, k, v, 0.1, None, None)
     whole = np.empty((b * h * sq, dim + 2), np.float32)
     att.fill(whole)
     plan = mpitree.DecodePlan(b, h, h, dim, q_len=sq, comm=MPI.COMM_SELF, scale=0.1)
     split_bits = []
     for budget in (_local.BLOCK_SCORES, b * h * t):  # one block; blocks of one row
         monkeypatch.setattr(_local, "BLOCK_SCORES", budget)
-        assert extend.KernelSlot.prompt(b, h, sq, t) == (sq > 1 and budget == b * h * t)
+        assert _step.KernelSlot.prompt(b, h, sq, t) == (sq > 1 and budget == b * h * t)
         ref = np.empty_like(whole)
         att.fill(ref)
         split_bits.append(ref)
-        slot, got = extend.KernelSlot(), np.empty_like(whole)
+        slot, got = _step.KernelSlot(), np.empty_like(whole)
         for _ in range(2):  # binds, then runs bound
             slot.fill(att, got)
             np.testing.assert_array_equal(got, ref)

@@ -18,9 +18,8 @@ from helpers import counting, world
 from models import greedy, prompt, tiny_llama
 from mpitree.adapters.transformers import _attention
 
-from mpitree import _guard, _kernel, _library, _merger, extend
+from mpitree import RankError, _guard, _kernel, _library, _merger, extend
 from mpitree._strategies import allreduce
-from mpitree.extend import RankError
 
 NEW_TOKENS = 8
 
@@ -222,7 +221,7 @@ def test_the_one_call_path_leaves_a_prompt_to_the_checked_path(monkeypatch):
 
     Three new tokens a step over two MHA layers, the budget cut to a few keys' scores:
     the ranks that hold no new key see every key (their one call applies) until
-    the rows become a prompt (``extend.KernelSlot.prompt``), from then on they take
+    the rows become a prompt (``mpitree._step.KernelSlot.prompt``), from then on they take
     the checked path. Outputs equal the checked path's, bit for bit, throughout.
     """
     from mpitree import _local

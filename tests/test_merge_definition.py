@@ -28,7 +28,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from mpitree import _op, extend
+from mpitree import _op
 from mpitree._library import native_lib
 from mpitree._state import combine_records, merge_records
 from mpitree._strategies.allreduce3 import Allreduce3
@@ -220,9 +220,9 @@ def test_numpy_fallback_op_is_the_definition(seed, dim, dtype):
 
 @cases
 def test_torch_merge_is_the_definition(seed, dim, dtype):
-    """The staircase's torch merge (``extend.combine_records`` on tensors), with torch's exp."""
+    """The staircase's torch merge (``combine_records`` on tensors), with torch's exp."""
     a, b = records(seed, dim, dtype, 0), records(seed, dim, dtype, 1)
-    got = extend.combine_records(torch.from_numpy(a), torch.from_numpy(b))
+    got = combine_records(torch.from_numpy(a), torch.from_numpy(b))
     assert got.dtype == torch.from_numpy(a).dtype
     assert_same_bits(got.numpy(), combine_records(a, b, exp=torch_exp))
 

@@ -1,11 +1,12 @@
-"""Sharded prefill's collectives (mpitree.extend) under real ranks, against float64 numpy."""
+"""Sharded prefill's collectives (the private ones too) under real ranks, against float64 numpy."""
 
 import numpy as np
 import pytest
 from helpers import world
 from numpy.testing import assert_allclose, assert_array_equal
 
-from mpitree import extend
+from mpitree import RankError, extend
+from mpitree._prefill_collectives import reduce_scatter_records, scatter_layout
 
 NPROCS = [1, 2, 3, 4]
 R, D = 3, 4  # records per block, head dim
@@ -49,7 +50,7 @@ def partial_states(counts, dtype):
 def test_reduce_scatter_records_equals_float64_merge(kind, dtype):
     comm = world()
     counts = counts_of(kind, comm.size)
-    per_rank, slots = extend.scatter_layout(counts)
+    per_rank, slots = scatter_layout(counts)
     assert per_rank == max(counts) + 1
     assert_array_equal(slots, [r * per_rank + k for r, c in enumerate(counts) for k in range(c)])
     states = partial_states(counts, dtype)
@@ -59,7 +60,7 @@ def test_reduce_scatter_records_equals_float64_merge(kind, dtype):
     def fill(out):
         out.reshape(-1, R, D + 2)[slots] = states
 
-    got = extend.reduce_scatter_records(comm, send, counts, fill, recv=recv)
+    got = reduce_scatter_records(comm, send, counts, fill, recv=recv)
     start, own = sum(counts[: comm.rank]), counts[comm.rank]
     everyone = comm.allgather(states.astype(np.float64))
     want = merge_reference([s[start : start + own] for s in everyone])
@@ -74,7 +75,7 @@ def test_reduce_scatter_records_equals_float64_merge(kind, dtype):
 def test_reduce_scatter_records_raises_on_every_rank_when_fill_fails_on_one(kind):
     comm = world()
     counts = counts_of(kind, comm.size)
-    per_rank, _ = extend.scatter_layout(counts)
+    per_rank, _ = scatter_layout(counts)
     send = np.zeros((comm.size, per_rank, R, D + 2), np.float32)
     for bad in range(comm.size):
 
@@ -83,8 +84,8 @@ def test_reduce_scatter_records_raises_on_every_rank_when_fill_fails_on_one(kind
                 raise KeyError("fill failed here")
             out[...] = np.nan  # the failing rank's zeros must not hide this
 
-        with pytest.raises(KeyError if comm.rank == bad else extend.RankError):
-            extend.reduce_scatter_records(comm, send, counts, fill)
+        with pytest.raises(KeyError if comm.rank == bad else RankError):
+            reduce_scatter_records(comm, send, counts, fill)
 
 
 @pytest.mark.parallel(nprocs=NPROCS)
@@ -111,7 +112,7 @@ def test_wrong_buffers_raise_on_every_rank_before_any_communication(bad):
     """Wrong on every rank alike: MPI aborted (too small) or mixed dtypes' bytes (dtype)."""
     comm = world()
     counts = [2] * comm.size
-    per_rank, _ = extend.scatter_layout(counts)
+    per_rank, _ = scatter_layout(counts)
     send = np.zeros((comm.size, per_rank, 1, 4), np.float32)
     with pytest.raises(ValueError, match="must be"):
         if bad.startswith("out"):
@@ -119,8 +120,8 @@ def test_wrong_buffers_raise_on_every_rank_before_any_communication(bad):
             out = np.zeros((rows, 3), np.float64 if "dtype" in bad else np.float32)
             extend.allgather_rows(comm, np.ones((2, 3), np.float32), counts, 3, out=out)
         elif bad == "send of p + 1":
-            extend.reduce_scatter_records(comm, send[[0] * (comm.size + 1)], counts, print)
+            reduce_scatter_records(comm, send[[0] * (comm.size + 1)], counts, print)
         else:
             recv = np.zeros((per_rank - 1, 1, 4), np.float32)
-            extend.reduce_scatter_records(comm, send, counts, print, recv=recv)
+            reduce_scatter_records(comm, send, counts, print, recv=recv)
     comm.Barrier()  # every rank got here: nothing was left waiting in a collective

@@ -294,6 +294,19 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def test_the_public_sampler_is_the_one_generate_draws_with():
+    """``mtt.sampler`` (what ``python -m mpitree generate`` shows): the model's defaults
+    filled in as :func:`generate` fills them; greedy gives None; bad settings raise."""
+    model = small_llama()
+    model.generation_config.top_k, model.generation_config.top_p = 7, 0.8
+    got = mtt.sampler(model, temperature=0.5, seed=3)
+    assert isinstance(got, mtt.Sampler)
+    assert (got.temperature, got.top_k, got.top_p, got.key) == (0.5, 7, 0.8, 3)
+    assert mtt.sampler(model, temperature=0, seed=3) is None
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        mtt.sampler(model, temperature=1.0, top_p=0.0)
+
+
 # --------------------------------------------------------------------------------------
 # agreement, bad arguments, stopping
 # --------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from models import VOCAB, float64_logits, greedy, positions, prompt, tiny_llama,
 from mpitree.adapters.transformers import _cache, _prefill
 from numpy.testing import assert_allclose
 
-from mpitree import extend, spec
+from mpitree import RankError, extend, spec
 from mpitree._strategies import allreduce
 
 NEW_TOKENS = 12
@@ -171,7 +171,7 @@ def test_prefill_out_of_memory_on_one_rank_raises_on_every_rank(where, monkeypat
     if comm.rank == comm.size - 1:
         assert info.type is MemoryError
     else:
-        assert info.type is extend.RankError
+        assert info.type is RankError
         assert f"MemoryError: no room for {where}" in str(info.value)
     assert cache.get_seq_length() == 0
     monkeypatch.undo()  # and the next prefill goes through

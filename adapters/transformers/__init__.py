@@ -38,6 +38,7 @@ from ._checkpoint import default_model, load
 from ._drafters import Drafter, DraftModel, PromptLookup
 from ._generate import Speculation, generate
 from ._prefill import prefill
+from ._sampling import Sampler, sampler
 from ._spec import verify
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "DraftModel",
     "Drafter",
     "PromptLookup",
+    "Sampler",
     "ShardMask",
     "ShardedCache",
     "Speculation",
@@ -55,6 +57,7 @@ __all__ = [
     "mask_interface",
     "prefill",
     "register",
+    "sampler",
     "verify",
 ]
 

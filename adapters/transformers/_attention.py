@@ -11,6 +11,13 @@ import torch
 from transformers.masking_utils import causal_mask_function, prepare_padding_mask
 
 from mpitree import extend
+from mpitree._checks import check_qkv
+from mpitree._invariant_step import invariant_pieces, invariant_signature
+from mpitree._kernel import BoundLayer
+from mpitree._merger import Merger
+from mpitree._namespace import namespace
+from mpitree._options import acc_name, dtype_name
+from mpitree._step import Attention, KernelSlot
 
 from ._cache import HANDOFF, foreign_shard, take_view
 from ._prefill import reserve, sharded_attention
@@ -258,11 +265,11 @@ def _new_signature(query, key, value, scaling, sharding, sharded):
         "q_len": 0 if sharded else sq,  # prefill: each rank holds its own chunk
         "kv_heads": int(key.shape[1]) if key.ndim > 1 else -1,
         "head_dim": d,
-        "dtype": extend.dtype_name(query.dtype),
+        "dtype": dtype_name(query.dtype),
         # key and value as the checks see them, but their (per-rank) length and device
         "k/v": (
-            extend.dtype_name(key.dtype),
-            extend.dtype_name(value.dtype),
+            dtype_name(key.dtype),
+            dtype_name(value.dtype),
             tuple(int(s) for s in key.shape[:2] + key.shape[3:]),
             tuple(int(s) for s in value.shape[:2] + value.shape[3:]),
             key.shape[2:3] == value.shape[2:3],
@@ -276,7 +283,7 @@ def _new_signature(query, key, value, scaling, sharding, sharded):
         "sharded prefill": sharded,
     }
     if sharding is not None and sharding.invariant:
-        extend.invariant_signature(sig)
+        invariant_signature(sig)
     return sig
 
 
@@ -311,8 +318,8 @@ class LayerStep:
         key, value = (self.key, self.value) if key is None else (key, value)
         rows = (int(query.shape[0]), int(query.shape[1]))
         keep = _step_visible(self.agreed.visible, self.mask, self.view, rows)
-        ns = extend.namespace(query)
-        self.att = extend.Attention(ns, query, key, value, self.agreed.scale, None, keep)
+        ns = namespace(query)
+        self.att = Attention(ns, query, key, value, self.agreed.scale, None, keep)
         return self.att
 
     def causal_keys(self):
@@ -396,25 +403,25 @@ def _shard_blocks(memo, layer):
 
 def _invariant_records(step, sharding):
     """Merge one layer over the canonical tree of ``block_size`` leaves: ``(B, Hq, Sq, D + 2)``."""
-    acc = extend.acc_name(step.agreed.signature["dtype"])  # agreed: not this layer's own
+    acc = acc_name(step.agreed.signature["dtype"])  # agreed: not this layer's own
 
     def local():
         blocks = _shard_blocks(step.agreed.visible, step.view.layer)
         att = step.prepare()
-        return extend.invariant_pieces(att, sharding.block_size, None, blocks, acc)
+        return invariant_pieces(att, sharding.block_size, None, blocks, acc)
 
     return step.agreed.merger.merge(local).reshape(*step.query.shape[:3], -1)
 
 
 def _local_attention(query, key, value, scale, keep):
-    """Return the :class:`extend.Attention` of ``query`` over ``key``/``value`` under ``keep``."""
+    """Return the :class:`Attention` of ``query`` over ``key``/``value`` under ``keep``."""
     keep = _unless_all(keep)
-    return extend.Attention(extend.namespace(query), query, key, value, scale, None, keep)
+    return Attention(namespace(query), query, key, value, scale, None, keep)
 
 
 def _checked(query, key, value):
     """Check the attention's tensors; return their :class:`extend.Problem`."""
-    ns, problem, _ = extend.check_qkv(query, key, value, names=("query", "key", "value"))
+    ns, problem, _ = check_qkv(query, key, value, names=("query", "key", "value"))
     if ns.name != "torch":
         raise TypeError("attn_implementation='mpitree' runs on torch tensors")
     return problem
@@ -595,7 +602,7 @@ def _step_fast(agreed, view, mask, query):
     """
     layer = view.layer
     memo = agreed.visible.get(_visible_key(mask, view))
-    if memo is None or view.sharded or not isinstance(agreed.merger, extend.Merger):
+    if memo is None or view.sharded or not isinstance(agreed.merger, Merger):
         return False
     keep, t = memo[1], int(layer.positions.numel())
     if keep is None:
@@ -613,7 +620,7 @@ def _step_fast(agreed, view, mask, query):
 
 
 class LayerFast:
-    """A layer's bound one-call step (:class:`extend.BoundLayer`) and what it was checked for.
+    """A layer's bound one-call step (:class:`BoundLayer`) and what it was checked for.
 
     Made after the layer's checked step succeeded; it stays valid while its K/V
     are views of the same cache buffers (the layer drops it when they change),
@@ -658,7 +665,7 @@ def _bind(view, query, key, value, scaling, signature, agreed):
         or value is not buffers[4]
         or view.sharded
         or signature is not agreed.signature
-        or not isinstance(merger, extend.Merger)
+        or not isinstance(merger, Merger)
         or merger.strategy not in RECORD_STRATEGIES
         or torch.is_grad_enabled()
         or not all(x.dtype == torch.float32 and x.device.type == "cpu" for x in (query, key, value))
@@ -678,7 +685,7 @@ def _bind(view, query, key, value, scaling, signature, agreed):
     ):
         return None
     k, v = buffers[0], buffers[1]
-    bound = extend.BoundLayer.of(
+    bound = BoundLayer.of(
         (b, hq, sq, d),
         int(k.shape[1]),
         (k.data_ptr(), k.stride()[:3]),
@@ -740,7 +747,7 @@ def _bound_step(view, query, key, value, mask, scaling, lane=False):
         or type(query) is not torch.Tensor
         or layer.length != step.length
         or key.shape[2] != step.t
-        or (fast.rows is not None and extend.KernelSlot.prompt(*fast.rows, step.t))
+        or (fast.rows is not None and KernelSlot.prompt(*fast.rows, step.t))
         or query.shape != fast.q_shape
         or query.stride() != fast.q_stride
         or query.dtype != torch.float32
@@ -784,7 +791,7 @@ def _one_call(module, query, key, value, attention_mask, scaling=None, dropout=0
     It runs where the step's agreement already ran (in its first layer), the
     layer's bound step applies (:func:`_bound_step`) and its merge is one
     compiled call, which asks ``MPI_Finalized`` before any other MPI call (where
-    the merger was freed since, :meth:`extend.Merger.merge_layer` checks MPI
+    the merger was freed since, :meth:`Merger.merge_layer` checks MPI
     first). Otherwise it returns None, and the guarded call runs instead: so
     do arguments that :func:`_unsupported` might refuse (a dropout other than
     an int or float 0, a keyword outside ``_PASS``, a sliding window without a

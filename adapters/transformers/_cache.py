@@ -14,6 +14,9 @@ from mpi4py import MPI
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from mpitree import extend
+from mpitree._invariant_step import invariant_signature
+from mpitree._options import INVARIANT
+from mpitree._step import KernelSlot
 
 PLACEMENTS = ("interleave", "last")
 _FEW_POSITIONS = 64  # a step of up to this many position ids appends them as ints
@@ -179,7 +182,7 @@ class Sharding:
     @property
     def invariant(self):
         """Whether this cache runs ``deterministic="invariant"`` (block-aligned placement)."""
-        return self.deterministic == extend.INVARIANT
+        return self.deterministic == INVARIANT
 
     def owners(self, start, stop, prompt):
         """Owning rank of global tokens ``start..stop-1``; ``prompt`` tokens came first."""
@@ -325,7 +328,7 @@ class ShardedLayer(CacheLayerMixin):
         self.length = 0  # global tokens seen by this layer, on all ranks together
         self.prompt = 0  # tokens of the first step ("last" placement splits them evenly)
         self.positions = torch.empty(0, dtype=torch.long)
-        self.kernel = extend.KernelSlot()  # this layer's bound kernel arguments, step to step
+        self.kernel = KernelSlot()  # this layer's bound kernel arguments, step to step
         # the attention's one-call decode step over this layer's buffers (None: unbound); see
         # _attention._bound_step. Dropped whenever the buffers are replaced.
         self.fast = None
@@ -594,7 +597,7 @@ class ShardedCache(Cache):
                     f"this ShardedCache was made for world_size={world_size}, but the "
                     f"communicator has {comm.Get_size()} ranks"
                 )
-            invariant = isinstance(deterministic, str) and deterministic == extend.INVARIANT
+            invariant = isinstance(deterministic, str) and deterministic == INVARIANT
             opts = extend.Options.resolve(
                 1,
                 strategy,
@@ -606,7 +609,7 @@ class ShardedCache(Cache):
             sig = {"placement": placement, "block_size": size}
             sig.update(strategy=opts.strategy, deterministic=opts.deterministic)
             if invariant:
-                extend.invariant_signature(sig)
+                invariant_signature(sig)
             return extend.Call(sig, (opts, size))
 
         opts, size = extend.agree(comm, prepare).payload

@@ -10,6 +10,7 @@ import torch
 from mpi4py import MPI
 
 from mpitree import extend
+from mpitree._options import acc_name, dtype_name
 
 from . import _staircase as staircase
 
@@ -133,7 +134,7 @@ def _attend(query, step, prefill_step, gathered):
     # the staircase widens them to float32 itself, the general kernel takes them as they are)
     k, v = (gathered[:, i].permute(1, 2, 0, 3).index_select(2, order) for i in (0, 1))
     att = step.prepare(query, k, v)
-    acc = extend.acc_name(extend.dtype_name(k.dtype))
+    acc = acc_name(dtype_name(k.dtype))
     records = torch.empty((b, hq, own, d + 2), dtype=getattr(torch, acc)).numpy()  # 4 KiB pages
     keys = torch.arange(k.shape[2])
     known = None
@@ -229,7 +230,7 @@ def prefill(model, input_ids, cache, attention_mask=None):
         an empty prompt, shapes that do not match) or ranks pass different prompts.
     Exception
         On every rank, when a layer fails on any rank (that rank raises its own
-        exception, the others :class:`~mpitree.extend.RankError`); the cache is then
+        exception, the others :class:`~mpitree.RankError`); the cache is then
         left empty. A failure on one rank outside attention (its dense layers) leaves
         the other ranks waiting in the next layer's collective.
     """

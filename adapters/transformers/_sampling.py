@@ -111,6 +111,40 @@ def sampler_for(model, do_sample, temperature, top_k, top_p, seed):
     return sampler, {"sampling": (temperature, int(top_k), top_p), "sampling seed": key}
 
 
+def sampler(model, *, temperature=None, top_k=None, top_p=None, seed=None):
+    """Return the :class:`Sampler` that ``generate(..., do_sample=True)`` would draw with.
+
+    The model's generation config fills every setting left ``None`` (transformers'
+    defaults where it has none), exactly as :func:`generate` does; the tools show
+    the settings a sampled decode really uses (``sampler.top_k``, ``sampler.top_p``).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        Its ``generation_config`` gives the defaults.
+    temperature : float, optional
+        ``>= 0``; 0 means greedy.
+    top_k : int, optional
+        ``>= 0``; 0 keeps every token.
+    top_p : float, optional
+        In ``(0, 1]``.
+    seed : int or torch.Generator, optional
+        The random stream's key, an int in ``[0, 2**64)``; a CPU generator (or
+        None: torch's global one) draws it once.
+
+    Returns
+    -------
+    Sampler or None
+        None when the temperature is 0 (greedy).
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a setting :func:`generate` refuses.
+    """
+    return sampler_for(model, True, temperature, top_k, top_p, seed)[0]
+
+
 class Sampler:
     """Draws from the filtered target distribution with the agreed stream.
 

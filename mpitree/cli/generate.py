@@ -1,7 +1,7 @@
 """``python -m mpitree generate``: a real model on real text over a sharded KV cache.
 
 Every rank loads the same checkpoint (a GGUF file is converted once, see
-:mod:`mpitree.adapters.transformers._checkpoint`) and runs the same greedy
+:func:`mpitree.adapters.transformers.load`) and runs the same greedy
 decode, or with ``--temperature > 0`` the same sampled one (``mtt.generate``: one
 random stream keyed by ``--seed``, agreed by the ranks); each keeps its share of
 the cache. Rank 0 streams the text, then prints time to first token, decode
@@ -103,10 +103,8 @@ def _load(args):
         raise ValueError("--draft-model PATH goes with --speculative draft-model, and only there")
     model, tokenizer = mtt.load(args.model)
     if sampling:  # validate; the model's defaults become explicit (the report shows them)
-        from mpitree.adapters.transformers._sampling import sampler_for
-
         names = ("temperature", "top_k", "top_p", "seed")
-        sampler = sampler_for(model, True, *(sampling[k] for k in names))[0]
+        sampler = mtt.sampler(model, **{k: sampling[k] for k in names})
         args.top_k, args.top_p = sampler.top_k, sampler.top_p
     draft = None
     if args.draft_model is not None:
