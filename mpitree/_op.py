@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from ._library import load_error, native_lib
 from ._options import dtype_name
-from ._state import combine_records
+from ._state import N, combine_records
 
 _lock = threading.Lock()
 _ops = {}  # (dtype name, record width) -> (MPI.Datatype record, MPI.Op)
@@ -99,7 +99,7 @@ def _create(dtype, width):
         if lib is not None:
             slot = _next_slot[bits]
             _next_slot[bits] = slot + 1
-            op = _mpi_op_create(lib.mpitree_bind_slot(bits, slot, width - 2))
+            op = _mpi_op_create(lib.mpitree_bind_slot(bits, slot, width - N.start))
         else:
             if not _warned:
                 warnings.warn(
