@@ -25,7 +25,7 @@ from ._kernel import _lib as _kernel_lib
 from ._library import address
 from ._local import BLOCK_SCORES, attend
 from ._namespace import is_array, namespace
-from ._state import combine_records, empty_records
+from ._state import N, combine_records, empty_records, width
 
 _KEY = 16  # bytes of a piece's (level, index) key, two int64
 
@@ -78,7 +78,7 @@ def leaf_records(step, block_size, count, acc):
     ns = step.ns
     q, k, v, lens, vis = step.q, step.k, step.v, step.lens, step.vis
     b, hq, sq, dim = (int(s) for s in q.shape)
-    leaves = np.empty((count, b, hq, sq, dim + 2), acc)
+    leaves = np.empty((count, b, hq, sq, width(dim)), acc)
     t = int(k.shape[2])
     prepared = None
     if vis is None and acc == "float32" and sq <= BLOCK_SCORES // max(1, b * hq * block_size):
@@ -117,7 +117,7 @@ def _joiner(recs):
 
         return join
     bits, base, stride = recs.dtype.itemsize * 8, address(recs), recs.strides[0]
-    rows, dim = int(np.prod(recs.shape[1:-1])), recs.shape[-1] - 2
+    rows, dim = int(np.prod(recs.shape[1:-1])), recs.shape[-1] - N.start
     combine = lib.mpitree_combine
 
     def join(i, j):
@@ -163,7 +163,7 @@ def canonical_root(levels, index, recs, row_shape, head_dim, acc):
     is overwritten. Raises ``ValueError`` (on every rank alike) when two ranks hold
     the same block.
     """
-    root = np.empty((*row_shape, head_dim + 2), acc)
+    root = np.empty((*row_shape, width(head_dim)), acc)
     if not len(levels):
         empty_records(root)
         return root
@@ -204,10 +204,10 @@ def pack(levels, index, recs):
 def unpack(data, row_shape, head_dim, acc):
     """Unpack :func:`pack`'s ``(k, stride)`` bytes into (levels, index, records)."""
     keys = np.ascontiguousarray(data[:, :_KEY]).view(np.int64).reshape(-1, 2)
-    recs = np.ascontiguousarray(data[:, _KEY:]).view(acc).reshape(-1, *row_shape, head_dim + 2)
+    recs = np.ascontiguousarray(data[:, _KEY:]).view(acc).reshape(-1, *row_shape, width(head_dim))
     return keys[:, 0], keys[:, 1], recs
 
 
 def piece_bytes(rows, head_dim, acc):
     """Return the bytes one piece travels as: its key and ``rows`` records of ``D + 2``."""
-    return _KEY + rows * (head_dim + 2) * np.dtype(acc).itemsize
+    return _KEY + rows * width(head_dim) * np.dtype(acc).itemsize

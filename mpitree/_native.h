@@ -18,12 +18,25 @@
 #define MPITREE_NATIVE_H
 
 #include <float.h>
+#include <math.h>
 #include <stdint.h>
 
 /* Every source's bits assume IEEE arithmetic in each type's own precision. */
 #if defined(__FAST_MATH__) || FLT_EVAL_METHOD != 0
 #error "mpitree's library needs IEEE arithmetic in each type's precision (no -ffast-math, no x87)"
 #endif
+
+/* The record layout, the C half of its one definition (mpitree/_state.py: M, D, N,
+ * width): a row's partial state is D + 2 values [m, d, n_0 .. n_{D-1}] (float32 or
+ * float64): m the reference logit (the running max), d the softmax denominator and n
+ * its numerator relative to m. A merge buffer ends in one flag record: its m is 1 on
+ * a rank whose local work failed, MPITREE_FLAG_CLEAR (-inf, the empty state's m)
+ * elsewhere, and it merges like any record (its m is a max). */
+#define MPITREE_REC_M 0
+#define MPITREE_REC_D 1
+#define MPITREE_REC_N 2
+#define MPITREE_REC_WIDTH(dim) ((dim) + 2)
+#define MPITREE_FLAG_CLEAR (-INFINITY)
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #define MPITREE_X86_CLONES 1

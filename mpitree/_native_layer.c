@@ -62,7 +62,7 @@ int mpitree_layer_step_f32(mpitree_layer *l, float *out)
     t0 = l->timed ? now_ns() : 0;
     mpitree_layer_attend_f32(l);
     t1 = l->timed ? now_ns() : 0;
-    *l->flag = -INFINITY;
+    *l->flag = MPITREE_FLAG_CLEAR;
     if (l->start != NULL) {
         err = l->start(l->request);
         if (err == 0)
@@ -76,7 +76,7 @@ int mpitree_layer_step_f32(mpitree_layer *l, float *out)
         l->mpi_error = err;
         return 2;
     }
-    if (*l->flag != -INFINITY)
+    if (*l->flag != MPITREE_FLAG_CLEAR)
         return 1;
     mpitree_layer_finish_f32(l, out);
     return 0;

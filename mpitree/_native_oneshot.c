@@ -59,7 +59,7 @@ static int agree(mpitree_oneshot *o)
 static int merge(mpitree_oneshot *o)
 {
     int err = 0;
-    *o->flag = -INFINITY;
+    *o->flag = MPITREE_FLAG_CLEAR;
     if (o->start != NULL) {
         err = o->start(o->request);
         if (err == 0)
@@ -69,7 +69,7 @@ static int merge(mpitree_oneshot *o)
         o->mpi_error = err;
         return 2;
     }
-    return *o->flag != -INFINITY;
+    return *o->flag != MPITREE_FLAG_CLEAR;
 }
 
 /*

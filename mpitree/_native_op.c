@@ -22,7 +22,10 @@
  * exp and expf differ between C libraries, and glibc picks its variant by whether
  * the CPU has FMA, so ranks on different machines could round a merge apart. Plain
  * IEEE double arithmetic (the build passes -ffp-contract=off) gives the same bits
- * on every compiler, C library and CPU.
+ * on every compiler, C library and CPU. It is the one exponential of the merge: the
+ * compiled kernel's exp8/exp1 (_native_kernel.c) are another algorithm (float
+ * Cephes-style, fused or not by build), for the weights of its own online softmax
+ * within a shard, whose bits the kernel's golden hashes pin (tests/test_kernel.py).
  */
 #include <math.h>
 #include <stddef.h>
@@ -86,17 +89,17 @@ static int slot_dim_f64[MPITREE_NSLOTS];
 #define DEFINE_COMBINE(T, SUF, EXP)                                              \
     static void combine_##SUF(const T *in, T *io, int count, int dim)           \
     {                                                                            \
-        const int w = dim + 2;                                                   \
+        const int w = MPITREE_REC_WIDTH(dim);                                    \
         for (int r = 0; r < count; ++r, in += w, io += w) {                      \
-            const T ma = in[0], mb = io[0];                                      \
+            const T ma = in[MPITREE_REC_M], mb = io[MPITREE_REC_M];              \
             if (ma <= mb) { /* no NaN; both empty: scale exp(-inf) = 0 */        \
                 const T s = EXP(ma - (mb == -INFINITY ? 0 : mb));                \
-                for (int j = 1; j < w; ++j)                                      \
+                for (int j = MPITREE_REC_D; j < w; ++j) /* d, then n */          \
                     io[j] += s * in[j];                                          \
             } else { /* ma > mb, or a NaN: then s and m are NaN */              \
                 const T s = EXP(mb - ma);                                        \
-                io[0] = ma > mb ? ma : (T)NAN;                                   \
-                for (int j = 1; j < w; ++j)                                      \
+                io[MPITREE_REC_M] = ma > mb ? ma : (T)NAN;                       \
+                for (int j = MPITREE_REC_D; j < w; ++j)                          \
                     io[j] = in[j] + s * io[j];                                   \
             }                                                                    \
         }                                                                        \

@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from ._library import load_error, native_lib
 from ._options import dtype_name
-from ._state import combine_records
+from ._state import N, combine_records
 
 _lock = threading.Lock()
 _ops = {}  # (dtype name, record width) -> (MPI.Datatype record, MPI.Op)
@@ -139,7 +139,7 @@ def _create(dtype, width):
     def native_op():
         slot = _next_slot[bits]
         _next_slot[bits] = slot + 1
-        return _mpi_op_create(lib.mpitree_bind_slot(bits, slot, width - 2))
+        return _mpi_op_create(lib.mpitree_bind_slot(bits, slot, width - N.start))
 
     try:
         if lib is not None:

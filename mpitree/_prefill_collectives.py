@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from ._guard import raise_failure
 from ._op import record_op
-from ._state import empty_records
+from ._state import FLAG_CLEAR, FLAG_FAILED, M, empty_records
 from ._traffic import traffic
 
 
@@ -155,11 +155,11 @@ def reduce_scatter_records(comm, send, counts, fill, recv=None):
         empty_records(send)
     for r, c in enumerate(counts):
         empty_records(send[r, c:])  # padding and flag slot: the identity
-    send[:, -1, 0, 0] = 1 if error is not None else -np.inf
+    send[:, -1, 0, M] = FLAG_FAILED if error is not None else FLAG_CLEAR
     dtype, op = record_op(send.dtype, width)
     traffic.add(send.nbytes)
     comm.Reduce_scatter_block([send, dtype], [recv, dtype], op)
-    if not np.isneginf(recv[-1, 0, 0]):
+    if recv[-1, 0, M] != FLAG_CLEAR:
         raise_failure(comm, error)
     return recv[: counts[rank]]
 

@@ -13,6 +13,23 @@ from ._options import dtype_name
 
 _LN2 = math.log(2.0)
 
+# The record layout, the Python half of its one definition (the C half: _native.h,
+# MPITREE_REC_*): a row's partial state is ``width(D) = D + 2`` values
+# ``[m, d, n_0..n_{D-1}]`` along the last axis.
+M = 0  # m: the reference logit (the running max, or a fused kernel's lse)
+D = 1  # d: the softmax denominator relative to m
+N = slice(2, None)  # n: the softmax numerator relative to m, D values
+WEIGHTED = slice(D, None)  # d and n: the fields a merge scales by its weights
+# A merge buffer's last record is its flag: m is FLAG_FAILED on a rank whose local work
+# failed, FLAG_CLEAR (the empty state's m) elsewhere; it merges like any record.
+FLAG_CLEAR = -np.inf
+FLAG_FAILED = 1.0
+
+
+def width(head_dim):
+    """Return the length of a record of head dimension ``head_dim``: ``D + 2``."""
+    return head_dim + N.start
+
 
 def merge_weights(m_parts, m, exp=None):
     """Return ``exp(m_part - shift)``: steps 2 and 3 of :func:`combine_records`.
@@ -28,14 +45,19 @@ def merge_weights(m_parts, m, exp=None):
 def combine_records(a, b, exp=None):
     """Merge two record arrays: the one definition of the (m, d, n) merge.
 
-    Every other copy derives from or is held bit for bit to this function: the
-    numpy fallback op (``_op.python_op``) and the torch staircase call it; the
-    ``allreduce3`` strategy and :func:`merge_records` use its weights
-    (:func:`merge_weights`); the compiled MPI op (``_native_op.c``, ``combine_*``) is
-    tested against it bit for bit (``tests/test_merge_definition.py``).
+    Every other copy calls it or is held bit for bit to it
+    (``tests/test_merge_definition.py``): the numpy fallback op (``_op.python_op``),
+    invariant mode's numpy tree joins and the merge of sharded prefill's staircase
+    (torch, ``adapters/transformers/_staircase.py``) call it; the ``allreduce3``
+    strategy and :func:`merge_records` use its weights (:func:`merge_weights`); the
+    compiled op (``_native_op.c``: ``combine_*``, the MPI op's and invariant mode's
+    compiled joins) is its C half, tested bit for bit with its own exponential. (The
+    compiled kernel's rescaling within a shard is its online softmax, not a merge of
+    records: its own exponential, its bits pinned by ``tests/test_kernel.py``.)
 
-    Record layout: ``(..., D + 2)`` as ``[m, d, n_0..n_{D-1}]``, float32 or float64;
-    every step rounds in the records' dtype. Order of operations:
+    Record layout (:data:`M`, :data:`D`, :data:`N`, :func:`width`): ``(..., D + 2)`` as
+    ``[m, d, n_0..n_{D-1}]``, float32 or float64; every step rounds in the records'
+    dtype. Order of operations:
 
     1. ``m = max(ma, mb)``, NaN winning;
     2. ``shift = m``, or 0 where ``m`` is -inf (both sides empty);
@@ -71,10 +93,11 @@ def combine_records(a, b, exp=None):
         ``(..., D + 2)`` merged records, same framework and dtype.
     """
     ns = namespace(a, b)
-    m = ns.maximum(a[..., :1], b[..., :1])
-    wa = merge_weights(a[..., :1], m, exp)
-    wb = merge_weights(b[..., :1], m, exp)
-    return ns.concat([m, wa * a[..., 1:] + wb * b[..., 1:]], -1)
+    ma, mb = a[..., M, None], b[..., M, None]
+    m = ns.maximum(ma, mb)
+    wa = merge_weights(ma, m, exp)
+    wb = merge_weights(mb, m, exp)
+    return ns.concat([m, wa * a[..., WEIGHTED] + wb * b[..., WEIGHTED]], -1)
 
 
 def merge_records(parts, axis=0):
@@ -86,21 +109,21 @@ def merge_records(parts, axis=0):
     as :func:`combine_records`).
     """
     ns = namespace(parts)
-    m = parts[..., 0].max(axis=axis)
-    w = merge_weights(parts[..., 0], ns.xp.expand_dims(m, axis))[..., None]
-    return ns.concat([m[..., None], (w * parts[..., 1:]).sum(axis=axis)], -1)
+    m = parts[..., M].max(axis=axis)
+    w = merge_weights(parts[..., M], ns.xp.expand_dims(m, axis))[..., None]
+    return ns.concat([m[..., None], (w * parts[..., WEIGHTED]).sum(axis=axis)], -1)
 
 
 def empty_records(records):
     """Set host records to the empty state in place."""
-    records[..., 0] = -np.inf
-    records[..., 1:] = 0
+    records[..., M] = -np.inf
+    records[..., WEIGHTED] = 0
 
 
 def output_of(records, dtype=None):
     """Return ``n / d`` of host records, ``(..., D)``; 0 for empty rows, NaN stays NaN."""
-    d = records[..., 1:2]
-    out = records[..., 2:] / np.where(d == 0, 1, d)  # an empty row has n = 0
+    d = records[..., D, None]
+    out = records[..., N] / np.where(d == 0, 1, d)  # an empty row has n = 0
     return out if dtype is None else out.astype(dtype, copy=False)
 
 
@@ -110,8 +133,9 @@ def _output_bshd(records):
     lib = native_lib()
     if lib is None or records.dtype != np.float32 or not records.flags.c_contiguous:
         return np.ascontiguousarray(output_of(records).transpose(0, 2, 1, 3))
-    out = np.empty((b, s, h, w - 2), np.float32)
-    lib.mpitree_finish_f32(address(records), b, h, s, w - 2, address(out))
+    dim = w - N.start
+    out = np.empty((b, s, h, dim), np.float32)
+    lib.mpitree_finish_f32(address(records), b, h, s, dim, address(out))
     return out
 
 
@@ -121,17 +145,18 @@ def _output_bhsd(records):
     if lib is None or records.dtype != np.float32 or not records.flags.c_contiguous:
         return output_of(records)
     *rows, w = records.shape
-    out = np.empty((*rows, w - 2), np.float32)
-    lib.mpitree_finish_f32(address(records), 1, out.size // (w - 2), 1, w - 2, address(out))
+    dim = w - N.start
+    out = np.empty((*rows, dim), np.float32)
+    lib.mpitree_finish_f32(address(records), 1, out.size // dim, 1, dim, address(out))
     return out
 
 
 def lse_of(records, base="e", dtype=np.float32):
     """Return ``m + log(d)`` of host records, ``(...)``; -inf for empty rows."""
-    d = records[..., 1]
+    d = records[..., D]
     lse = np.full(d.shape, -np.inf, dtype=records.dtype)
     np.log(d, out=lse, where=d != 0)
-    lse += records[..., 0]
+    lse += records[..., M]
     if base == 2:
         lse /= _LN2
     elif base != "e":
@@ -227,7 +252,7 @@ class State:
         dtype : numpy dtype, optional
             float32 (default) or float64.
         """
-        rec = np.empty((*shape, head_dim + 2), dtype=dtype)
+        rec = np.empty((*shape, width(head_dim)), dtype=dtype)
         empty_records(rec)
         return cls(rec)
 
@@ -267,26 +292,26 @@ class State:
         elif base != "e":
             raise ValueError(f"base must be 'e' or 2, got {base!r}")
         seen = ~np.isinf(lse)
-        rec = np.empty((*out.shape[:-1], out.shape[-1] + 2), dtype=dtype)
-        rec[..., 0] = np.where(seen, lse, -np.inf)
-        rec[..., 1] = seen
-        rec[..., 2:] = np.where(seen[..., None], out, 0)
+        rec = np.empty((*out.shape[:-1], width(out.shape[-1])), dtype=dtype)
+        rec[..., M] = np.where(seen, lse, -np.inf)
+        rec[..., D] = seen
+        rec[..., N] = np.where(seen[..., None], out, 0)
         return cls(rec)
 
     @property
     def m(self) -> np.ndarray:
         """Reference logit of each row (the running max, or a fused kernel's lse), ``(...)``."""
-        return self.records[..., 0]
+        return self.records[..., M]
 
     @property
     def d(self) -> np.ndarray:
         """Softmax denominator relative to ``m``, ``(...)``."""
-        return self.records[..., 1]
+        return self.records[..., D]
 
     @property
     def n(self) -> np.ndarray:
         """Softmax numerator relative to ``m``, ``(..., D)``."""
-        return self.records[..., 2:]
+        return self.records[..., N]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -296,7 +321,7 @@ class State:
     @property
     def head_dim(self) -> int:
         """``D``."""
-        return self.records.shape[-1] - 2
+        return self.records.shape[-1] - N.start
 
     def output(self, dtype: Any = None) -> np.ndarray:
         """Return the attention output ``n / d``, ``(..., D)``; 0 for empty rows, NaN stays NaN.

@@ -2,9 +2,14 @@
 
 The copies: the compiled op (``_native_op.c``, through ``mpitree_combine`` and through
 the MPI op ``record_op`` registers), the numpy fallback op (``_op.python_op``),
-``allreduce3``'s three reductions, ``merge_records`` (allgather, ring) and the torch
-merge of sharded prefill's staircase. All follow the definition's order of
-operations. The one library-dependent step is the exponential: numpy's, torch's
+``allreduce3``'s three reductions, ``merge_records`` (allgather, ring), invariant mode's
+tree joins (compiled or numpy) and the torch merge of sharded prefill's staircase. All
+follow the definition's order of operations. The producers and consumers of records
+are held to the layout the same way: states from an ``(out, lse)`` pair
+(``State.from_lse``, the staircase's parts) and the finishing step (``output_of``,
+``lse_of``, the compiled ``mpitree_finish_f32``, the JAX adapter's own).
+
+The one library-dependent step is the exponential: numpy's, torch's
 and the compiled op's own (``mpitree_merge_exp``, the same bits on every compiler,
 C library and CPU) differ in the last place on many inputs, so each copy is
 compared with ``combine_records`` evaluated with that copy's own exponential
@@ -27,10 +32,26 @@ import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
+from mpitree.adapters.transformers import _staircase
 
-from mpitree import _op
+from mpitree import _invariant, _op
 from mpitree._library import native_lib
-from mpitree._state import combine_records, merge_records
+from mpitree._state import (
+    FLAG_CLEAR,
+    D,
+    M,
+    N,
+    State,
+    _output_bhsd,
+    _output_bshd,
+    combine_records,
+    empty_records,
+    finish,
+    lse_of,
+    merge_records,
+    output_of,
+    width,
+)
 from mpitree._strategies.allreduce3 import Allreduce3
 
 DTYPES = (np.float32, np.float64)
@@ -302,3 +323,171 @@ def test_allreduce3_is_the_definition(seed, dim, dtype):
     want = merge_records(np.stack([a, b, c]))
     for got in allreduce3([a, b, c]):
         assert_same_bits(got, want)
+
+
+def test_layout():
+    """The record layout's one definition: ``[m, d, n_0..n_{D-1}]``, ``D + 2`` wide."""
+    rec = np.arange(width(3), dtype=np.float64)
+    assert width(3) == 5 and rec[M] == 0 and rec[D] == 1 and rec[N].tolist() == [2, 3, 4]
+    empty = np.ones((2, width(3)))
+    empty_records(empty)
+    assert (empty[:, M] == FLAG_CLEAR).all() and (empty[:, D:] == 0).all()
+    state = State(rec)
+    assert state.head_dim == 3 and state.m == rec[M] and state.d == rec[D]
+    assert state.n.tolist() == rec[N].tolist()
+
+
+@needs_native
+@cases
+def test_invariant_tree_joins_are_the_definition(seed, dim, dtype, monkeypatch):
+    """Invariant mode's tree joins ``recs[i] = combine(recs[i], recs[j])``: the compiled op's
+    code with its own exp (it merges ``recs[j]`` into ``recs[i]``), or numpy's
+    combine_records."""
+    a, b = records(seed, dim, dtype, 0), records(seed, dim, dtype, 1)
+    for x, y in ((a, b), (b, a)):
+        pair = np.stack([x, y])
+        _invariant._joiner(pair)(0, 1)
+        assert_same_bits(pair[0], combine_records(y, x, exp=merge_exp))
+        assert_same_bits(pair[1], y)
+    monkeypatch.setattr(_invariant, "_kernel_lib", lambda: None)
+    pair = np.stack([a, b])
+    _invariant._joiner(pair)(0, 1)
+    assert_same_bits(pair[0], combine_records(a, b))
+
+
+def lse_parts(seed, dim, dtype, side):
+    """``(out, lse)`` of every kind of row: the lse of :func:`records`' m (finite, equal on
+    both sides, -inf, NaN, +inf, +-1e30 or +-1e300), an output with NaN, huge and subnormal
+    values; out is 0 where lse is -inf (what the staircase's parts give) but where it is
+    NaN (a row that saw keys of weight 0 and a NaN value)."""
+    rec = records(seed, dim, dtype, side)
+    lse, out = rec[:, M].copy(), rec[:, N].copy()
+    empty = np.isneginf(lse)
+    out[empty] = np.where(np.isnan(out[empty]), np.nan, 0)
+    return out, lse
+
+
+def lse_records(out, lse, d):
+    """Records ``[lse, d, out]``, laid out by the definition's constants."""
+    rec = np.empty((*lse.shape, width(out.shape[-1])), out.dtype)
+    rec[..., M], rec[..., D], rec[..., N] = lse, d, out
+    return rec
+
+
+def staircase_write(*parts):
+    """The staircase's ``_write`` of one or two ``(out, lse)`` parts, as numpy records."""
+    rows, dim = parts[0][0].shape
+    out = torch.full((1, 1, rows, width(dim)), 7.0, dtype=torch.from_numpy(parts[0][0]).dtype)
+    tensors = [(torch.from_numpy(o)[None, None], torch.from_numpy(m)[None, None]) for o, m in parts]
+    _staircase._write(out, torch.arange(rows), *tensors, *[None] * (2 - len(parts)))
+    return out[0, 0].numpy()
+
+
+@cases
+def test_staircase_merge_is_the_definition(seed, dim, dtype):
+    """Sharded prefill's staircase: each part ``(out, lse)`` is the state ``[lse, 1, out]``
+    (``d = 0`` where lse is -inf: the same state, as the merge weighs it 0), and two parts
+    merge to combine_records' bits with torch's exp; a row with no key is the empty state
+    (never NaN, unless a NaN value came with it)."""
+    (oa, la), (ob, lb) = lse_parts(seed, dim, dtype, 0), lse_parts(seed, dim, dtype, 1)
+    one = lse_records(oa, la, 1)
+    want = combine_records(one, lse_records(ob, lb, 1), exp=torch_exp)
+    assert_same_bits(staircase_write((oa, la), (ob, lb)), want)
+    assert_same_bits(
+        staircase_write((ob, lb), (oa, la)),
+        combine_records(lse_records(ob, lb, 1), one, exp=torch_exp),
+    )
+    empty = np.isneginf(la)
+    assert_same_bits(staircase_write((oa, la)), lse_records(oa, la, ~empty))
+    both = empty & np.isneginf(lb) & ~np.isnan(oa + ob).any(-1)
+    assert both.any() and (want[both, M] == FLAG_CLEAR).all() and (want[both, D:] == 0).all()
+    assert np.isnan(want[np.isnan(la) | np.isnan(lb)][:, D:]).all()
+
+
+@cases
+def test_from_lse_is_the_definition(seed, dim, dtype):
+    """``State.from_lse``: ``[lse, 1, out]`` where lse is finite (or NaN: a poisoned row),
+    the empty state where it is +-inf; its output and lse give back out and lse bit for
+    bit, and its states merge as combine_records of those records."""
+    (oa, la), (ob, lb) = lse_parts(seed, dim, dtype, 0), lse_parts(seed, dim, dtype, 1)
+    a, b = State.from_lse(oa, la), State.from_lse(ob, lb)
+    seen = ~np.isinf(la)
+    assert a.records.dtype == dtype
+    assert_same_bits(a.records[seen], lse_records(oa, la, 1)[seen])
+    assert (a.m[~seen] == FLAG_CLEAR).all() and (a.records[~seen, D:] == 0).all()
+    finite = np.isfinite(la)
+    assert_same_bits(a.output()[finite], oa[finite])
+    assert_same_bits(a.lse(dtype=dtype)[finite], la[finite])
+    assert (a.output()[~seen] == 0).all() and np.isneginf(a.lse()[~seen]).all()
+    merged = combine_records(a.records, b.records)
+    want = combine_records(lse_records(oa, la, 1), lse_records(ob, lb, 1))
+    both = seen & ~np.isinf(lb)
+    assert_same_bits(merged[both], want[both])
+    assert np.isnan(merged[np.isnan(la) | np.isnan(lb)][:, D:]).all()
+    never = ~seen & np.isinf(lb)
+    assert never.any() and not np.isnan(merged[never]).any()
+
+
+def finishing_records(seed, dim, dtype):
+    """Records as the merge leaves them, ``(2, 5, 10, D + 2)``: every kind of row, ``d = 0``
+    (empty, n = 0) among them, and ``d`` NaN, +inf and subnormal."""
+    rec = records(seed, dim, dtype, 0)
+    rec[3::10, D] = np.finfo(dtype).smallest_subnormal
+    rec[5::10, D] = np.inf
+    return rec.reshape(2, 5, 10, width(dim))
+
+
+@cases
+def test_finishing_is_the_definition(seed, dim, dtype):
+    """The finishing step, ``n / d`` (0 for an empty row, NaN stays NaN) and
+    ``m + log(d)`` (-inf for an empty row): output_of, the compiled ``mpitree_finish_f32``
+    (float32, both layouts) and ``finish`` give the same bits."""
+    rec = finishing_records(seed, dim, dtype)
+    out = output_of(rec)
+    empty, nan = rec[..., D] == 0, np.isnan(rec).any(-1)
+    assert empty.any() and (out[empty & ~nan] == 0).all()
+    assert np.isnan(out[np.isnan(rec[..., D:]).any(-1)]).any(-1).all()
+    lse = lse_of(rec, dtype=dtype)
+    assert np.isneginf(lse[empty]).all()
+    assert_same_bits(lse[~empty], (np.log(rec[..., D]) + rec[..., M])[~empty])
+    bshd = np.ascontiguousarray(out.transpose(0, 2, 1, 3))
+    if dtype == np.float32 and native_lib() is not None:
+        assert_same_bits(_output_bshd(rec), bshd)
+        assert_same_bits(_output_bhsd(rec), out)
+    assert_same_bits(finish(rec, rec[..., N]), out)
+    assert_same_bits(finish(rec, rec[..., N], layout="bshd"), bshd)
+    got, got_lse = finish(rec, rec[..., N], return_lse=True)
+    assert_same_bits(got, out)
+    assert_same_bits(got_lse, lse_of(rec))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", DIMS)
+def test_jax_finishing_is_the_definition(dim, dtype):
+    """The JAX adapter finishes merged records itself: ``m + log(d)`` gives lse_of's bits
+    with XLA's log in place of numpy's, and ``n / d`` output_of's within 1 ulp, with the
+    same zeros, infinities and NaNs: XLA on the CPU does not round every float32
+    division correctly, and it flushes a subnormal result to zero (its sign kept)."""
+    jax = pytest.importorskip("jax")
+    from mpitree.adapters import jax as mj
+
+    x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)  # float64 records stay float64
+    try:
+        for seed in SEEDS:
+            rec = finishing_records(seed, dim, dtype)
+            out, lse = (np.asarray(x) for x in mj._finish(jax.numpy.asarray(rec)))
+            want = output_of(rec)
+            flushed = (np.abs(want) < np.finfo(dtype).tiny) & (want != 0) & (out == 0)
+            want = np.where(flushed, np.copysign(0, want), want).astype(dtype)
+            nan = np.isnan(want)
+            assert np.array_equal(np.isnan(out), nan)
+            assert np.array_equal(np.isinf(out), np.isinf(want))
+            np.testing.assert_array_max_ulp(out[~nan], want[~nan], maxulp=1)
+            d = rec[..., D]
+            empty = d == 0
+            log = np.asarray(jax.numpy.log(jax.numpy.asarray(np.where(empty, 1, d))))
+            assert_same_bits(lse, np.where(empty, -np.inf, rec[..., M] + log))
+            assert np.isneginf(lse_of(rec)[empty]).all() and np.isneginf(lse[empty]).all()
+    finally:
+        jax.config.update("jax_enable_x64", x64)

@@ -30,6 +30,8 @@ import math
 
 import torch
 
+from mpitree._state import combine_records
+
 CHUNK = 384  # queries per fused call (default); its diagonal band spans about CHUNK keys
 # (16K queries over 8K keys, one thread: 13.1-13.3 s at 384, 13.4-13.6 s at 512)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -112,24 +114,27 @@ def _weightless(q, k, v, scale, allowed, tame, kv_heads):
     return idle, idle[..., None] & (seen.float() @ bad > 0)
 
 
+def _records(part):
+    """Return the records ``[lse, d, out]`` of a part's ``(out, lse)``: ``d = (lse != -inf)``.
+
+    The same state as ``[m, d, n]`` (see the module's docstring). A row with no key has
+    ``lse = -inf``, ``out = 0`` (NaN where :func:`_part` found ``0 * NaN``): the merge
+    gives it weight 0.
+    """
+    o, lse = part
+    seen = (lse != float("-inf")).to(o.dtype)
+    return torch.cat([lse[..., None], seen[..., None], o], -1)
+
+
 def _write(out, rows, part, band):
     """Write the records ``[m, d, n]`` of the union of two disjoint parts into ``out[:, :, rows]``.
 
-    Either part may be None; a row with no key in either gets the empty state.
+    Either part may be None (not both). Two parts merge by the one definition of the
+    merge, :func:`mpitree._state.combine_records` (torch's exponential); a row with no
+    key in either gets the empty state.
     """
-    if part is None or band is None:
-        o, m = part or band
-        out[:, :, rows, 0] = m
-        out[:, :, rows, 1] = (m != float("-inf")).float()
-        out[:, :, rows, 2:] = o
-        return
-    (oa, la), (ob, lb) = part, band
-    m = torch.maximum(la, lb)
-    shift = m.masked_fill(m == float("-inf"), 0)  # a row with no key: both weights 0
-    wa, wb = torch.exp(la - shift), torch.exp(lb - shift)
-    out[:, :, rows, 0] = m
-    out[:, :, rows, 1] = wa + wb
-    out[:, :, rows, 2:] = oa.mul_(wa[..., None]).add_(ob.mul_(wb[..., None]))
+    recs = [_records(p) for p in (part, band) if p is not None]
+    out[:, :, rows] = recs[0] if len(recs) == 1 else combine_records(*recs)
 
 
 def staircase_records(q, k, v, scale, q_idx, k_idx, key_ok, out=None, chunk=None):
