@@ -62,6 +62,7 @@ __all__ = ["free_energy", "tree_decode"]
 
 LOCAL_ENV = "MPITREE_JAX_LOCAL"  # "kernel" (default): the C kernel for float32; "xla": XLA's
 MERGING = ("auto", "allreduce", "allreduce3", "allgather", "hierarchical")
+FORWARD, FORWARD_GRAD = "forward", "forward, then backward (jax.grad)"  # the forward's phases
 
 
 @dataclass(frozen=True, eq=False)
@@ -333,8 +334,13 @@ def _finish(records):
 # ----------------------------------------------------------------------------------------
 # the differentiable decode
 # ----------------------------------------------------------------------------------------
-def _forward(step, q, k, v, aux):
-    """Return the merged output ``(B, Hq, Sq, D)`` and lse ``(B, Hq, Sq)`` (accumulation dtype)."""
+def _forward(step, q, k, v, aux, phase):
+    """Return the merged output ``(B, Hq, Sq, D)`` and lse ``(B, Hq, Sq)`` (accumulation dtype).
+
+    ``phase`` (:data:`FORWARD` or :data:`FORWARD_GRAD`) is agreed on: a rank whose
+    call is differentiated runs a backward merge after it, and one whose call is
+    not must not pair its next collective with that merge.
+    """
     lens, vis, flag = aux
     p, scale = step.problem, step.opts.scale
 
@@ -347,7 +353,7 @@ def _forward(step, q, k, v, aux):
         return _local_records(p, scale, step.t, q, k, v, keep), flag, ()
 
     step, records, flag, _ = _local_part(step, local, (q, k, v, aux))
-    return _finish(_collective(step, "forward", records, flag, (q, k, v, aux)))
+    return _finish(_collective(step, phase, records, flag, (q, k, v, aux)))
 
 
 def _local_part(step, local, context):
@@ -358,7 +364,7 @@ def _local_part(step, local, context):
     follows raises it on every rank instead of leaving the others in the merge.
     Traced, the program's own checks and the trace guard in :func:`_attend` apply.
     """
-    if _traced(context):
+    if _jax_ffi.tracing():
         return (step, *local())
     try:
         return (step, *jax.block_until_ready(local()))
@@ -370,13 +376,13 @@ def _local_part(step, local, context):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _decode(step, q, k, v, aux):
     """Return the decode as JAX sees it: (output in q's dtype, lse in the accumulation dtype)."""
-    out, lse = _forward(step, q, k, v, aux)
+    out, lse = _forward(step, q, k, v, aux, FORWARD)
     return out.astype(q.dtype), lse
 
 
 def _decode_fwd(step, q, k, v, aux):
     """Forward rule: keep the merged output and lse (the backward's global facts)."""
-    out, lse = _forward(step, q, k, v, aux)
+    out, lse = _forward(step, q, k, v, aux, FORWARD_GRAD)
     return (out.astype(q.dtype), lse), (q, k, v, aux, out, lse)
 
 
@@ -428,19 +434,25 @@ def _decode_bwd(step, residuals, cotangents):
 _decode.defvjp(_decode_fwd, _decode_bwd)
 
 
-def _failed(step, traced):
-    """Fail on every rank: the agreement runs (when traced: when the program runs) and raises.
+def _failed(step, q):
+    """Fail on every rank: one agreement carries ``step.error`` and raises everywhere.
 
-    Traced, the program still enters the agreement in its place in the order of
-    collectives; its outputs (never produced) are placeholders.
+    Eagerly the agreement runs at once and raises. Traced (``jax.jit``, and a
+    closed-over ``q``, ``k``, ``v`` too), the program enters it in its place in the
+    order of collectives and raises when it runs; the outputs, never produced, are
+    shaped as a call on ``q`` would shape them (the output in q's dtype, the lse),
+    so the code after the call traces and the program reaches the merge.
     """
+    shape, dtype = (1, 1, 1, 1), jnp.dtype(jnp.float32)
+    if _is_array(q) and q.ndim > 0:
+        shape = tuple(int(s) for s in q.shape)
+        if jnp.issubdtype(q.dtype, jnp.floating):
+            dtype = jnp.dtype(q.dtype)
+    acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    records = jnp.zeros((*shape[:-1], shape[-1] + 2), acc)
     flag = jnp.zeros((), jnp.int32)
-    if not traced:
-        _collective(step, "forward", jnp.zeros((1, 3), jnp.float32), flag, ())
-        raise step.error  # pragma: no cover - the agreement raised on every rank
-    placeholder = jnp.zeros((1, 3), jnp.float32) + flag.astype(jnp.float32)
-    records = _collective(step, "forward", placeholder, flag, ())
-    return records, records[..., 0]
+    out, lse = _finish(_collective(step, FORWARD, records, flag, ()))
+    return out.astype(dtype), lse
 
 
 def _attend(comm, inputs, prepare, masking, strategy):
@@ -449,7 +461,11 @@ def _attend(comm, inputs, prepare, masking, strategy):
     ``prepare(*inputs)`` runs the entry point's own checks and returns the
     ``(q, k, v, scale)`` to decode and its own facts the ranks agree on
     (``(name, value)`` pairs). Any exception in the local checks rides in the
-    agreement, on every rank.
+    agreement, on every rank. While JAX traces (whether or not the inputs are
+    traced), so does an exception that abandons the decode's trace on this rank,
+    unless the decode's merge already ran (eagerly under ``jax.vmap`` or
+    ``jax.grad``): then every rank settled it, and a second agreement would wait
+    for ranks that never join it.
     """
     try:
         q, k, v, scale, extra = prepare(*inputs)
@@ -462,17 +478,20 @@ def _attend(comm, inputs, prepare, masking, strategy):
                 f"states: use one of {MERGING}"
             )
     except Exception as exc:  # the verdict rides in the agreement, on every rank
-        return _failed(_Step(comm, error=exc), _traced(*inputs, masking))
+        return _failed(_Step(comm, error=exc), inputs[0])
     step = _Step(comm, problem, opts, t, extra=extra)
     flag = jnp.zeros((), jnp.int32)
     if lens is not None:
         flag = jnp.any((lens < 0) | (lens > t)).astype(jnp.int32)
-    if not _traced(q, k, v, lens, vis):
+    if not _jax_ffi.tracing():
         return _decode(step, q, k, v, (lens, vis, flag))
+    ran = _jax_ffi.merges_run()
     try:  # a trace abandoned on one rank (say, its dtype promotion) must not strand the others
         return _decode(step, q, k, v, (lens, vis, flag))
-    except Exception as exc:  # its verdict rides in the agreement when the program runs
-        return _failed(_Step(comm, error=exc), True)
+    except Exception as exc:
+        if _jax_ffi.merges_run() != ran:  # its merge ran: settled on every rank already
+            raise
+        return _failed(_Step(comm, error=exc), q)  # its verdict rides in the agreement
 
 
 def _as_jax(*xs):
