@@ -281,8 +281,11 @@ _merge_p.def_effectful_abstract_eval(
 
 
 def tracing():
-    """Whether JAX is tracing (``jax.jit``, ``jax.vmap``, ``jax.grad``): a merge bound now may
-    join a program instead of running at once (:func:`merges_run` tells whether it ran)."""
+    """Whether JAX is tracing (``jax.jit``, ``jax.vmap``, ``jax.grad``), inputs traced or not.
+
+    A merge bound now may join a program instead of running at once
+    (:func:`merges_run` tells whether it ran).
+    """
     return not trace_state_clean()
 
 
