@@ -17,9 +17,15 @@ local to their shard.
 Shape and dtype checks run when the function is traced, on each rank; their
 verdict, and the value checks made in the compiled program (``kv_len`` in
 range), ride in the agreement when the program runs, so bad input on one rank
-raises on every rank. Eagerly (no tracing) the exception is the core's:
-the bad rank's own ``TypeError``/``ValueError``, :class:`mpitree.RankError`
-elsewhere. Inside ``jax.jit`` JAX reports the same exception as a
+raises on every rank. A call whose checks fail while tracing (its inputs traced
+or closed over) returns outputs of the shapes and dtype a good call would have,
+so the code after it traces and its program reaches the merge; a failed
+agreement is settled once (under ``jax.vmap`` or ``jax.grad`` eagerly, the merge
+runs while JAX traces, and its error is every rank's). The forward's agreement
+says whether a backward merge follows (``jax.grad``): a rank that
+differentiates alone makes every rank raise. Eagerly (no tracing) the exception
+is the core's: the bad rank's own ``TypeError``/``ValueError``,
+:class:`mpitree.RankError` elsewhere. Inside ``jax.jit`` JAX reports the same exception as a
 ``jax.errors.JaxRuntimeError`` (a ``RuntimeError``) whose message ends with it.
 
 The merge calls run on the thread XLA executes the program on: do not run
@@ -446,8 +452,8 @@ def _failed(step, q):
     shape, dtype = (1, 1, 1, 1), jnp.dtype(jnp.float32)
     if _is_array(q) and q.ndim > 0:
         shape = tuple(int(s) for s in q.shape)
-        if jnp.issubdtype(q.dtype, jnp.floating):
-            dtype = jnp.dtype(q.dtype)
+        if jnp.issubdtype(q.dtype, jnp.floating):  # numpy float64 without x64: float32
+            dtype = jax.dtypes.canonicalize_dtype(q.dtype)
     acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
     records = jnp.zeros((*shape[:-1], shape[-1] + 2), acc)
     flag = jnp.zeros((), jnp.int32)
