@@ -358,25 +358,30 @@ def _forward(step, q, k, v, aux, phase):
         keep = _grouped_keep(p, step.t, lens, vis)
         return _local_records(p, scale, step.t, q, k, v, keep), flag, ()
 
-    step, records, flag, _ = _local_part(step, local, (q, k, v, aux))
+    def placeholder():
+        return jnp.zeros((*p.row_shape, p.head_dim + 2), p.acc), jnp.zeros((), jnp.int32), ()
+
+    step, records, flag, _ = _local_part(step, local, placeholder)
     return _finish(_collective(step, phase, records, flag, (q, k, v, aux)))
 
 
-def _local_part(step, local, context):
-    """Return ``(step, records, flag, extra)`` of ``local()``; eagerly, its error rides along.
+def _local_part(step, local, placeholder):
+    """Return ``(step, records, flag, extra)`` of ``local()``; its error rides along.
 
-    An eager call runs its local part at once (on an accelerator too: an out-of-memory
-    there, say); an error in it becomes the step's verdict, and the merge that
-    follows raises it on every rank instead of leaving the others in the merge.
-    Traced, the program's own checks and the trace guard in :func:`_attend` apply.
+    Eagerly the local part runs at once and is waited for (on an accelerator too:
+    an out-of-memory there, say); traced, it is traced (a trace may fail on one
+    rank only: its own dtype promotion, its empty shard's path). Either way an
+    error in it becomes the step's verdict, with ``placeholder()``'s records, flag
+    and extra (of the shapes ``local()``'s would have, so a traced program goes on
+    to the merge), and the merge that follows raises it on every rank instead of
+    leaving the others waiting there.
     """
-    if _jax_ffi.tracing():
-        return (step, *local())
+    tracing = _jax_ffi.tracing()
     try:
-        return (step, *jax.block_until_ready(local()))
-    except Exception as exc:  # the merge raises it; ``extra`` is never read then
-        placeholder = jnp.zeros((1, 3), jnp.float32), jnp.zeros((), jnp.int32), (None, None)
-        return (dataclasses.replace(step, error=exc), *placeholder)
+        part = local()
+        return (step, *(part if tracing else jax.block_until_ready(part)))
+    except Exception as exc:  # the merge raises it on every rank
+        return (dataclasses.replace(step, error=exc), *placeholder())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -430,9 +435,12 @@ def _decode_bwd(step, residuals, cotangents):
         rows = jnp.concatenate([zeros, dq_local], -1).reshape(*p.row_shape, -1)
         return rows, flag, (dk, dv)
 
-    context = (q, k, v, aux, dout, dlse)
-    step, rows, flag, (dk, dv) = _local_part(step, local, context)
-    summed = _collective(step, "backward", rows, flag, context)
+    def placeholder():
+        rows = jnp.zeros((*p.row_shape, p.head_dim + 2), p.acc)
+        return rows, jnp.zeros((), jnp.int32), (jnp.zeros_like(k), jnp.zeros_like(v))
+
+    step, rows, flag, (dk, dv) = _local_part(step, local, placeholder)
+    summed = _collective(step, "backward", rows, flag, (q, k, v, aux, dout, dlse))
     dq = summed[..., 2:].reshape(q.shape).astype(q.dtype)
     return dq, dk, dv, (None, None, None)
 

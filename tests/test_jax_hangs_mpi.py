@@ -233,3 +233,24 @@ def test_grad_on_one_rank_alone_raises_on_every_rank(form):
     assert_next_calls_work(prob, q, k, v)
     grads = jax.grad(forward)(q)  # every rank differentiating: works
     assert grads.shape == q.shape and np.isfinite(np.asarray(grads)).all()
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("form", FORMS)
+def test_a_backward_that_fails_on_one_rank_raises_on_every_rank(form, monkeypatch):
+    """jax.grad, the last rank's backward local part raising (jitted: while it is traced):
+    that rank's program still reaches the backward merge, which raises on every rank.
+    Jitted, the trace failed on that rank alone and the others waited in the merge."""
+    prob, (q, k, v), is_bad = setup()
+    if is_bad:  # float32: the forward runs the C kernel, the backward XLA's scores
+
+        def fail(*args):
+            raise MemoryError("no room")
+
+        monkeypatch.setattr(mj, "_scores", fail)
+    loss = lambda q: mj.tree_decode(q, k, v).sum()  # noqa: E731
+    grad = jax.jit(jax.grad(loss)) if form == "jit" else jax.grad(loss)
+    got = outcome(lambda: grad(q), form == "jit")
+    monkeypatch.undo()
+    assert_every_rank_raises(got, "MemoryError", "no room")
+    assert_next_calls_work(prob, q, k, v)
