@@ -36,7 +36,7 @@ from mpitree._namespace import namespace
 
 try:  # the ordered effect of the merge: JAX internals (as mpi4jax uses them)
     from jax._src.callback import _OrderedIOEffect
-    from jax._src.core import ShapedArray, abstract_token
+    from jax._src.core import ShapedArray, abstract_token, trace_state_clean
     from jax.extend.core import Primitive
     from jax.interpreters import mlir
 except ImportError as exc:  # pragma: no cover - a JAX whose internals moved
@@ -168,6 +168,7 @@ _DTYPES = {1: np.bool_, 4: np.int32, 11: np.float32, 12: np.float64}  # PRED S32
 _NUMPY = namespace(np.zeros(0, np.float32))
 _HANDLER = ctypes.CFUNCTYPE(_ptr, _ptr)
 _failures = []  # the kernel errors not yet raised (by failure())
+_eager = threading.local()  # per thread: ``count``, the merges run outside a program
 if "_hosts" not in globals():  # a reload keeps the keys compiled programs already hold
     _hosts = []  # the lowered merges' host steps, by key: compiled programs call them for life
 
@@ -280,11 +281,32 @@ _merge_p.def_effectful_abstract_eval(
 )
 
 
+def tracing():
+    """Whether JAX is tracing (``jax.jit``, ``jax.vmap``, ``jax.grad``), inputs traced or not.
+
+    A merge bound now may join a program instead of running at once
+    (:func:`merges_run` tells whether it ran).
+    """
+    return not trace_state_clean()
+
+
+def merges_run():
+    """How many merges this thread has entered outside a compiled program.
+
+    A change across a traced call (under ``jax.vmap`` or ``jax.grad`` eagerly, the
+    merge runs at once) means its collective ran: every rank settled it, and an
+    exception from it is already every rank's.
+    """
+    return getattr(_eager, "count", 0)
+
+
 @_merge_p.def_impl
 def _merge_now(records, flag, *, host):
     """Run a merge outside a compiled program, after the merges already dispatched."""
     jax.effects_barrier()
-    merged = host(np.asarray(records), np.asarray(flag))
+    records, flag = np.asarray(records), np.asarray(flag)
+    _eager.count = merges_run() + 1  # the collective is entered: it settles on every rank
+    merged = host(records, flag)
     if isinstance(records, jax.Array) and records.committed:  # back where the records were
         return jax.device_put(merged, records.sharding)
     return jnp.asarray(merged)

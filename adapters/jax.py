@@ -17,9 +17,15 @@ local to their shard.
 Shape and dtype checks run when the function is traced, on each rank; their
 verdict, and the value checks made in the compiled program (``kv_len`` in
 range), ride in the agreement when the program runs, so bad input on one rank
-raises on every rank. Eagerly (no tracing) the exception is the core's:
-the bad rank's own ``TypeError``/``ValueError``, :class:`mpitree.RankError`
-elsewhere. Inside ``jax.jit`` JAX reports the same exception as a
+raises on every rank. A call whose checks fail while tracing (its inputs traced
+or closed over) returns outputs of the shapes and dtype a good call would have,
+so the code after it traces and its program reaches the merge; a failed
+agreement is settled once (under ``jax.vmap`` or ``jax.grad`` eagerly, the merge
+runs while JAX traces, and its error is every rank's). The forward's agreement
+says whether a backward merge follows (``jax.grad``): a rank that
+differentiates alone makes every rank raise. Eagerly (no tracing) the exception
+is the core's: the bad rank's own ``TypeError``/``ValueError``,
+:class:`mpitree.RankError` elsewhere. Inside ``jax.jit`` JAX reports the same exception as a
 ``jax.errors.JaxRuntimeError`` (a ``RuntimeError``) whose message ends with it.
 
 The merge calls run on the thread XLA executes the program on: do not run
@@ -63,6 +69,7 @@ __all__ = ["free_energy", "tree_decode"]
 
 LOCAL_ENV = "MPITREE_JAX_LOCAL"  # "kernel" (default): the C kernel for float32; "xla": XLA's
 MERGING = ("auto", "allreduce", "allreduce3", "allgather", "hierarchical")
+FORWARD, FORWARD_GRAD = "forward", "forward, then backward (jax.grad)"  # the forward's phases
 
 
 @dataclass(frozen=True, eq=False)
@@ -334,8 +341,13 @@ def _finish(records):
 # ----------------------------------------------------------------------------------------
 # the differentiable decode
 # ----------------------------------------------------------------------------------------
-def _forward(step, q, k, v, aux):
-    """Return the merged output ``(B, Hq, Sq, D)`` and lse ``(B, Hq, Sq)`` (accumulation dtype)."""
+def _forward(step, q, k, v, aux, phase):
+    """Return the merged output ``(B, Hq, Sq, D)`` and lse ``(B, Hq, Sq)`` (accumulation dtype).
+
+    ``phase`` (:data:`FORWARD` or :data:`FORWARD_GRAD`) is agreed on: a rank whose
+    call is differentiated runs a backward merge after it, and one whose call is
+    not must not pair its next collective with that merge.
+    """
     lens, vis, flag = aux
     p, scale = step.problem, step.opts.scale
 
@@ -347,37 +359,42 @@ def _forward(step, q, k, v, aux):
         keep = _grouped_keep(p, step.t, lens, vis)
         return _local_records(p, scale, step.t, q, k, v, keep), flag, ()
 
-    step, records, flag, _ = _local_part(step, local, (q, k, v, aux))
-    return _finish(_collective(step, "forward", records, flag, (q, k, v, aux)))
+    def placeholder():
+        return jnp.zeros((*p.row_shape, p.head_dim + 2), p.acc), jnp.zeros((), jnp.int32), ()
+
+    step, records, flag, _ = _local_part(step, local, placeholder)
+    return _finish(_collective(step, phase, records, flag, (q, k, v, aux)))
 
 
-def _local_part(step, local, context):
-    """Return ``(step, records, flag, extra)`` of ``local()``; eagerly, its error rides along.
+def _local_part(step, local, placeholder):
+    """Return ``(step, records, flag, extra)`` of ``local()``; its error rides along.
 
-    An eager call runs its local part at once (on an accelerator too: an out-of-memory
-    there, say); an error in it becomes the step's verdict, and the merge that
-    follows raises it on every rank instead of leaving the others in the merge.
-    Traced, the program's own checks and the trace guard in :func:`_attend` apply.
+    Eagerly the local part runs at once and is waited for (on an accelerator too:
+    an out-of-memory there, say); traced, it is traced (a trace may fail on one
+    rank only: its own dtype promotion, its empty shard's path). Either way an
+    error in it becomes the step's verdict, with ``placeholder()``'s records, flag
+    and extra (of the shapes ``local()``'s would have, so a traced program goes on
+    to the merge), and the merge that follows raises it on every rank instead of
+    leaving the others waiting there.
     """
-    if _traced(context):
-        return (step, *local())
+    tracing = _jax_ffi.tracing()
     try:
-        return (step, *jax.block_until_ready(local()))
-    except Exception as exc:  # the merge raises it; ``extra`` is never read then
-        placeholder = jnp.zeros((1, 3), jnp.float32), jnp.zeros((), jnp.int32), (None, None)
-        return (dataclasses.replace(step, error=exc), *placeholder)
+        part = local()
+        return (step, *(part if tracing else jax.block_until_ready(part)))
+    except Exception as exc:  # the merge raises it on every rank
+        return (dataclasses.replace(step, error=exc), *placeholder())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _decode(step, q, k, v, aux):
     """Return the decode as JAX sees it: (output in q's dtype, lse in the accumulation dtype)."""
-    out, lse = _forward(step, q, k, v, aux)
+    out, lse = _forward(step, q, k, v, aux, FORWARD)
     return out.astype(q.dtype), lse
 
 
 def _decode_fwd(step, q, k, v, aux):
     """Forward rule: keep the merged output and lse (the backward's global facts)."""
-    out, lse = _forward(step, q, k, v, aux)
+    out, lse = _forward(step, q, k, v, aux, FORWARD_GRAD)
     return (out.astype(q.dtype), lse), (q, k, v, aux, out, lse)
 
 
@@ -419,9 +436,12 @@ def _decode_bwd(step, residuals, cotangents):
         rows = jnp.concatenate([zeros, dq_local], -1).reshape(*p.row_shape, -1)
         return rows, flag, (dk, dv)
 
-    context = (q, k, v, aux, dout, dlse)
-    step, rows, flag, (dk, dv) = _local_part(step, local, context)
-    summed = _collective(step, "backward", rows, flag, context)
+    def placeholder():
+        rows = jnp.zeros((*p.row_shape, p.head_dim + 2), p.acc)
+        return rows, jnp.zeros((), jnp.int32), (jnp.zeros_like(k), jnp.zeros_like(v))
+
+    step, rows, flag, (dk, dv) = _local_part(step, local, placeholder)
+    summed = _collective(step, "backward", rows, flag, (q, k, v, aux, dout, dlse))
     dq = summed[..., 2:].reshape(q.shape).astype(q.dtype)
     return dq, dk, dv, (None, None, None)
 
@@ -429,19 +449,25 @@ def _decode_bwd(step, residuals, cotangents):
 _decode.defvjp(_decode_fwd, _decode_bwd)
 
 
-def _failed(step, traced):
-    """Fail on every rank: the agreement runs (when traced: when the program runs) and raises.
+def _failed(step, q):
+    """Fail on every rank: one agreement carries ``step.error`` and raises everywhere.
 
-    Traced, the program still enters the agreement in its place in the order of
-    collectives; its outputs (never produced) are placeholders.
+    Eagerly the agreement runs at once and raises. Traced (``jax.jit``, and a
+    closed-over ``q``, ``k``, ``v`` too), the program enters it in its place in the
+    order of collectives and raises when it runs; the outputs, never produced, are
+    shaped as a call on ``q`` would shape them (the output in q's dtype, the lse),
+    so the code after the call traces and the program reaches the merge.
     """
+    shape, dtype = (1, 1, 1, 1), jnp.dtype(jnp.float32)
+    if _is_array(q) and q.ndim > 0:
+        shape = tuple(int(s) for s in q.shape)
+        if jnp.issubdtype(q.dtype, jnp.floating):  # numpy float64 without x64: float32
+            dtype = jax.dtypes.canonicalize_dtype(q.dtype)
+    acc = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    records = jnp.zeros((*shape[:-1], shape[-1] + 2), acc)
     flag = jnp.zeros((), jnp.int32)
-    if not traced:
-        _collective(step, "forward", jnp.zeros((1, 3), jnp.float32), flag, ())
-        raise step.error  # pragma: no cover - the agreement raised on every rank
-    placeholder = jnp.zeros((1, 3), jnp.float32) + flag.astype(jnp.float32)
-    records = _collective(step, "forward", placeholder, flag, ())
-    return records, records[..., 0]
+    out, lse = _finish(_collective(step, FORWARD, records, flag, ()))
+    return out.astype(dtype), lse
 
 
 def _attend(comm, inputs, prepare, masking, strategy):
@@ -450,7 +476,11 @@ def _attend(comm, inputs, prepare, masking, strategy):
     ``prepare(*inputs)`` runs the entry point's own checks and returns the
     ``(q, k, v, scale)`` to decode and its own facts the ranks agree on
     (``(name, value)`` pairs). Any exception in the local checks rides in the
-    agreement, on every rank.
+    agreement, on every rank. While JAX traces (whether or not the inputs are
+    traced), so does an exception that abandons the decode's trace on this rank,
+    unless the decode's merge already ran (eagerly under ``jax.vmap`` or
+    ``jax.grad``): then every rank settled it, and a second agreement would wait
+    for ranks that never join it.
     """
     try:
         q, k, v, scale, extra = prepare(*inputs)
@@ -463,17 +493,20 @@ def _attend(comm, inputs, prepare, masking, strategy):
                 f"states: use one of {MERGING}"
             )
     except Exception as exc:  # the verdict rides in the agreement, on every rank
-        return _failed(_Step(comm, error=exc), _traced(*inputs, masking))
+        return _failed(_Step(comm, error=exc), inputs[0])
     step = _Step(comm, problem, opts, t, extra=extra)
     flag = jnp.zeros((), jnp.int32)
     if lens is not None:
         flag = jnp.any((lens < 0) | (lens > t)).astype(jnp.int32)
-    if not _traced(q, k, v, lens, vis):
+    if not _jax_ffi.tracing():
         return _decode(step, q, k, v, (lens, vis, flag))
+    ran = _jax_ffi.merges_run()
     try:  # a trace abandoned on one rank (say, its dtype promotion) must not strand the others
         return _decode(step, q, k, v, (lens, vis, flag))
-    except Exception as exc:  # its verdict rides in the agreement when the program runs
-        return _failed(_Step(comm, error=exc), True)
+    except Exception as exc:
+        if _jax_ffi.merges_run() != ran:  # its merge ran: settled on every rank already
+            raise
+        return _failed(_Step(comm, error=exc), q)  # its verdict rides in the agreement
 
 
 def _as_jax(*xs):
