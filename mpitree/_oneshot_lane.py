@@ -43,6 +43,7 @@ _lanes: dict = {}  # (id of the comm argument, layout, options key) -> _Lane
 _seen: dict = {}  # the keys of calls seen once: a lane is kept when one comes again
 _LANES_SIZE = 16
 _HANDLE_BYTES = {MPI._sizeof(MPI.Comm), MPI._sizeof(MPI.Datatype), MPI._sizeof(MPI.Op)}
+_MERGED = int(StepCode.MERGE_ERROR)  # codes up to it: every rank agreed and merged
 
 
 class _Lane:
@@ -78,7 +79,6 @@ class _Lane:
         args.finalized, args.start, args.wait = finalized, start, wait
         args.request, args.flag = request, flag
         args.rec, args.nbytes = address(merger.records), merger.records.nbytes
-        self.run = bind_call(native_lib().mpitree_step_run, args)
         args.sent[:] = np.frombuffer(enc.sent, np.int64).tolist()
         self.sent = merger.buf.nbytes if start is not None else 0  # bytes counted per merge
         if start is not None:
@@ -89,6 +89,7 @@ class _Lane:
             args.comm = signed(MPI._handleof(comm)).value
             args.int64_type = signed(MPI._handleof(MPI.INT64_T)).value
             args.min_op = signed(MPI._handleof(MPI.MIN)).value
+        self.run = bind_call(native_lib().mpitree_step_run, args)  # run(out) -> a StepCode
 
     def bind_kernel(self, prepared, rows):
         """Bind ``tree_decode``'s kernel (a :class:`Prepared`) for query rows ``(B, Hq, Sq)``."""
@@ -120,7 +121,7 @@ class _Lane:
         As the guarded path does after its agreement: every rank marks it, so that
         their caches evict alike.
         """
-        if code <= StepCode.MERGE_ERROR:
+        if code <= _MERGED:
             cache.move_to_end(self.cache_key)
             if self.sent:
                 traffic.add(self.sent)
