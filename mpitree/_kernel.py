@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from ._library import AttnArgs, LayerArgs, address, bind_call, native_lib
+from ._library import AttnArgs, StepArgs, StepLocal, StepOutput, address, bind_call, native_lib
 
 KERNEL_ENV = "MPITREE_LOCAL_KERNEL"  # "native" (default when built) or "numpy"
 _local = threading.local()  # per-thread scratch buffer of the kernel
@@ -421,8 +421,9 @@ class BoundLayer:
     A cache layer whose K/V grow in place inside fixed buffers, merged through
     one merger's fixed record buffer, runs the kernel on the same addresses,
     strides and scale step after step: only the query, the shard length and the
-    step's visibility change. This holds the compiled library's ``mpitree_layer``
-    struct with everything else bound. A step sets ``call.q``, ``call.t``,
+    step's visibility change. This holds the compiled library's ``mpitree_step``
+    struct with everything else bound (no agreement: the layer's step runs after
+    its entry point's). A step sets ``call.q``, ``call.t``,
     ``call.vis`` and ``call.vis_heads``; :meth:`fill` runs the kernel into the
     records and, after the merge, :meth:`finish` writes the output in
     ``(B, Sq, Hq, D)`` order. Where the merge is one persistent all-reduce
@@ -432,33 +433,34 @@ class BoundLayer:
 
     Attributes
     ----------
-    call : LayerArgs
-        The bound ``mpitree_layer`` struct.
+    call : StepArgs
+        The bound ``mpitree_step`` struct.
     merger : mpitree.extend.Merger or None
         The merge bound by :meth:`bind_merge`.
     step : callable
         ``step(out) -> int``: run the kernel, the bound merge and, unless a rank
         failed, the output into the float32 ``(B, Sq, Hq, D)`` at address
-        ``out``. It returns 0: ``out`` written; 1: some rank's flag says it
-        failed (``out`` untouched); 2: an MPI call failed with the code in
-        ``call.mpi_error``; 3: no merge is bound (nothing ran); 4: MPI is
-        finalized (nothing ran). The compiled function itself, its struct
-        bound (no Python frame: a decode layer calls it every step).
+        ``out``. It returns a :class:`~mpitree._library.StepCode`: ``OK``
+        (``out`` written), ``FLAGGED``, ``MERGE_ERROR``, ``UNBOUND`` (no merge
+        is bound: nothing ran), ``FINALIZED`` or ``AGREE_ERROR`` (MPI_Finalized
+        failed). ``mpitree_step_run`` itself, its struct bound (no Python frame:
+        a decode layer calls it every step).
     """
 
     __slots__ = ("_attend", "_finish", "_keep", "_ref", "call", "merger", "step")
 
     def __init__(self, lib, shape, kv_heads, k, v, records, scale, keep):
         b, hq, sq, dim = shape
-        call = self.call = LayerArgs()
+        call = self.call = StepArgs()
+        call.local, call.output = StepLocal.KERNEL, StepOutput.LAYER
         call.args = AttnArgs(b, hq, kv_heads, sq, dim, _I64x3(*k[1]), _I64x3(*v[1]), 0, 0)
         call.args.scale = scale
         scratch = np.empty(lib.mpitree_attend_scratch(hq // kv_heads * sq, dim), np.float32)
         call.k, call.v, call.rec, call.scratch = k[0], v[0], records, address(scratch)
         self._keep = (*keep, scratch)
         self._ref = ctypes.byref(call)
-        self._attend, self._finish = lib.mpitree_layer_attend_f32, lib.mpitree_layer_finish_f32
-        self.step = bind_call(lib.mpitree_layer_step_f32, call, self._keep)
+        self._attend, self._finish = lib.mpitree_step_local, lib.mpitree_step_output
+        self.step = bind_call(lib.mpitree_step_run, call, self._keep)
         self.merger = None
 
     @classmethod

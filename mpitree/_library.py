@@ -6,6 +6,7 @@ Also :func:`address`: a numpy array's address, for its calls, cheaply.
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
 import importlib.util
 import os
@@ -19,7 +20,7 @@ except ImportError:
     _native_call = None
 
 NATIVE_ENV = "MPITREE_NATIVE_OP"
-STATUS_WORDS = 8  # int64 words of room for one MPI_Status in mpitree_layer
+STATUS_WORDS = 8  # int64 words of room for one MPI_Status in mpitree_step
 _lock = threading.Lock()
 _loaded = False
 _lib = None
@@ -45,36 +46,23 @@ class AttnArgs(ctypes.Structure):
     ]
 
 
-class LayerArgs(ctypes.Structure):
-    """Mirror of ``mpitree_layer`` in ``_native.h``: one decode layer's bound kernel call."""
+class StepArgs(ctypes.Structure):
+    """Mirror of ``mpitree_step`` in ``_native.h``: the one compiled step, bound once."""
 
     _fields_ = [
         ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
         ("t", ctypes.c_int64),
         ("vis", ctypes.c_void_p),
         ("vis_heads", ctypes.c_int64),
-        ("k", ctypes.c_void_p),
-        ("v", ctypes.c_void_p),
+        ("source", ctypes.c_void_p),
+        ("local", ctypes.c_int64),
+        ("output", ctypes.c_int64),
         ("rec", ctypes.c_void_p),
+        ("nbytes", ctypes.c_int64),
         ("scratch", ctypes.c_void_p),
         ("args", AttnArgs),
-        ("finalized", ctypes.c_void_p),
-        ("start", ctypes.c_void_p),
-        ("wait", ctypes.c_void_p),
-        ("request", ctypes.c_void_p),
-        ("flag", ctypes.c_void_p),
-        ("timed", ctypes.c_int64),
-        ("kernel_ns", ctypes.c_int64),
-        ("collective_ns", ctypes.c_int64),
-        ("mpi_error", ctypes.c_int64),
-        ("status", ctypes.c_int64 * STATUS_WORDS),
-    ]
-
-
-class OneShotArgs(ctypes.Structure):
-    """Mirror of ``mpitree_oneshot`` in ``_native.h``: a recurring ``allreduce_state``'s call."""
-
-    _fields_ = [
         ("finalized", ctypes.c_void_p),
         ("allreduce", ctypes.c_void_p),
         ("handle_bytes", ctypes.c_int64),
@@ -87,13 +75,43 @@ class OneShotArgs(ctypes.Structure):
         ("wait", ctypes.c_void_p),
         ("request", ctypes.c_void_p),
         ("flag", ctypes.c_void_p),
-        ("records", ctypes.c_void_p),
-        ("nbytes", ctypes.c_int64),
-        ("kernel", AttnArgs),
-        ("scratch", ctypes.c_void_p),
+        ("timed", ctypes.c_int64),
+        ("kernel_ns", ctypes.c_int64),
+        ("collective_ns", ctypes.c_int64),
         ("mpi_error", ctypes.c_int64),
         ("status", ctypes.c_int64 * STATUS_WORDS),
     ]
+
+
+class StepCode(enum.IntEnum):
+    """Mirror of ``enum mpitree_code`` in ``_native.h``: what ``mpitree_step_run`` returns.
+
+    Codes up to ``MERGE_ERROR``: the agreement, where one is bound, held on every
+    rank and the merge ran. :func:`mpitree._step_code.settle_code` acts on the others.
+    """
+
+    OK = 0  # out written
+    FLAGGED = 1  # a rank's flag says it failed: out untouched
+    MERGE_ERROR = 2  # the merge's MPI call failed (its code in mpi_error)
+    UNBOUND = 3  # no merge is bound: nothing ran
+    FINALIZED = 4  # MPI is finalized: nothing ran
+    DISAGREED = 5  # the agreement's result (got) is not this rank's vector: nothing else ran
+    AGREE_ERROR = 6  # MPI_Finalized or the agreement failed (mpi_error): nothing else ran
+
+
+class StepLocal(enum.IntEnum):
+    """Mirror of ``enum mpitree_local``: how a step gets this rank's records."""
+
+    KERNEL = 0  # the kernel over the bound shard with this call's q, t and visibility
+    COPY = 1  # nbytes of ``source`` copied in
+
+
+class StepOutput(enum.IntEnum):
+    """Mirror of ``enum mpitree_output``: what a step writes to ``out``."""
+
+    LAYER = 0  # n / d in transformers' (B, Sq, Hq, D)
+    HEADS = 1  # n / d in tree_decode's (B, Hq, Sq, D)
+    RECORDS = 2  # the merged records
 
 
 _view = MPI.buffer.frombuffer
@@ -116,9 +134,10 @@ def address(x):
 def bind_call(fn, args, keep=()):
     """Return ``step(out) -> int``: the compiled ``int fn(args *, void *out)``, ``args`` bound.
 
-    Through ``mpitree._native_call`` where it was built (a CPython call: through
-    ctypes, a later decode layer's step costs 2-3 us more on caches the model's
-    dense layers cooled), else through ctypes (``fn``'s argtypes: a pointer to
+    For ``mpitree_step_run`` (a decode layer's step, a one-shot lane's). Through
+    ``mpitree._native_call`` where it was built (a CPython call: through ctypes, a
+    later decode layer's step costs 2-3 us more on caches the model's dense layers
+    cooled), else through ctypes (``fn``'s argtypes: a pointer to
     ``args``'s type, then ``c_void_p``). Either way the callable holds ``args``, a
     ctypes struct, alive, and ``keep`` (``step.keep``: what the struct's addresses
     point into), so a step kept past its owner still reads live memory.
@@ -169,19 +188,12 @@ def _load():
         lib.mpitree_finish_f32.argtypes += [ctypes.c_void_p]
         lib.mpitree_attend_f32.restype = None
         lib.mpitree_attend_f32.argtypes = [ctypes.POINTER(AttnArgs)] + [ctypes.c_void_p] * 5
-        lib.mpitree_layer_attend_f32.restype = None
-        lib.mpitree_layer_attend_f32.argtypes = [ctypes.POINTER(LayerArgs)]
-        lib.mpitree_layer_finish_f32.restype = None
-        lib.mpitree_layer_finish_f32.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_void_p]
-        lib.mpitree_layer_step_f32.restype = ctypes.c_int
-        lib.mpitree_layer_step_f32.argtypes = [ctypes.POINTER(LayerArgs), ctypes.c_void_p]
-        lib.mpitree_oneshot_merge_f32.restype = ctypes.c_int
-        lib.mpitree_oneshot_merge_f32.argtypes = [ctypes.POINTER(OneShotArgs)]
-        lib.mpitree_oneshot_merge_f32.argtypes += [ctypes.c_void_p] * 2
-        lib.mpitree_oneshot_decode_f32.restype = ctypes.c_int
-        lib.mpitree_oneshot_decode_f32.argtypes = [ctypes.POINTER(OneShotArgs)]
-        lib.mpitree_oneshot_decode_f32.argtypes += [ctypes.c_void_p] * 3
-        lib.mpitree_oneshot_decode_f32.argtypes += [ctypes.c_int64, ctypes.c_void_p]
+        lib.mpitree_step_local.restype = None
+        lib.mpitree_step_local.argtypes = [ctypes.POINTER(StepArgs)]
+        lib.mpitree_step_output.restype = None
+        lib.mpitree_step_output.argtypes = [ctypes.POINTER(StepArgs), ctypes.c_void_p]
+        lib.mpitree_step_run.restype = ctypes.c_int
+        lib.mpitree_step_run.argtypes = [ctypes.POINTER(StepArgs), ctypes.c_void_p]
         lib.mpitree_attend_scratch.restype = ctypes.c_int64
         lib.mpitree_attend_scratch.argtypes = [ctypes.c_int64] * 2
         lib.mpitree_read_f32.restype = ctypes.c_float

@@ -19,8 +19,9 @@ from ._guard import raise_failure
 from ._invariant_merger import InvariantMerger
 from ._namespace import namespace
 from ._options import INVARIANT
-from ._runtime import FINALIZED, check_mpi_usable
+from ._runtime import check_mpi_usable
 from ._state import empty_records
+from ._step_code import settle_code
 from ._strategies import REGISTRY, free_requests
 
 _CACHE_SIZE = 16
@@ -144,14 +145,8 @@ class Merger:
             check_mpi_usable()  # the one call asks MPI_Finalized; so must its replacement
             self.merge(bound)
             bound.finish(out)
-        elif code == 1:
-            raise_failure(self.comm, None)
-        elif code == 2:
-            raise MPI.Exception(bound.call.mpi_error)
-        elif code == 4:
-            raise RuntimeError(FINALIZED)
-        elif code:  # 3: bound to this merger, yet its struct holds no flag or MPI_Finalized
-            raise RuntimeError(f"mpitree internal error: a bound layer's step returned {code}")
+        elif code:  # a layer binds no agreement: every code but OK raises
+            settle_code(code, self.comm, bound.call)
 
     def free(self):
         """Release the merger's MPI resources now (otherwise when it is collected)."""

@@ -1,18 +1,21 @@
 /*
  * What the sources of mpitree's compiled library share. They build one extension,
  * mpitree._native (plain C: no mpi.h, no Python.h), which mpitree/_library.py loads with
- * ctypes; the structs and functions below are its whole interface (_library.py mirrors
- * them). The sources, one job each:
+ * ctypes; the structs, enums and functions below are its whole interface (_library.py
+ * mirrors them; tests/test_library.py checks the mirror against this header as the
+ * compiler lays it out). The sources, one job each:
  *   _native_op.c      the (m, d, n) combine, as the MPI user functions of the op, and
  *                     its own exponential (no libm: the same bits everywhere)
  *   _native_kernel.c  the float32 local-attention kernel: its ISA builds and dispatch
  *   _native_finish.c  the attention output of merged records
- *   _native_layer.c   one decode layer's step, bound once: the kernel, the merge's
- *                     collective (MPI_Start/MPI_Wait through addresses handed over by
- *                     mpi4py, so still no mpi.h) and finishing
+ *   _native_step.c    the one step, bound once (mpitree_step): MPI_Finalized asked, the
+ *                     agreement where one is bound, this rank's records (the kernel, or
+ *                     a state's copied in), the merge's collective (MPI_Start/MPI_Wait
+ *                     through addresses handed over by mpi4py, so still no mpi.h) and
+ *                     the output
  *   _native_read.c    the stream-read bandwidth floor that benchmarks measure against
  * (mpitree/_native_call.c is another extension, with Python.h: the CPython function
- * through which a later decode layer calls mpitree_layer_step_f32, without ctypes.)
+ * through which a later decode layer calls mpitree_step_run, without ctypes.)
  */
 #ifndef MPITREE_NATIVE_H
 #define MPITREE_NATIVE_H
@@ -64,44 +67,66 @@ typedef struct {
 
 #define MPITREE_STATUS_WORDS 8 /* an MPI_Status fits: 20 bytes MPICH, 24 Open MPI, 32 MPI ABI */
 
-typedef struct {
-    const float *q;     /* this step's (B, Hq, Sq, D) query, C order */
-    int64_t t;          /* this step's shard length T */
-    const uint8_t *vis; /* this step's (B, Hm, Sq, T) visibility, or NULL (every key) */
-    int64_t vis_heads;  /* Hm: 1 or Hq */
-    const float *k, *v; /* bound: the shard's K and V, strides in args */
-    float *rec;         /* bound: the merge's (B, Hq, Sq, D + 2) records */
-    float *scratch;     /* bound: mpitree_attend_scratch(G * Sq, D) floats */
-    mpitree_attn_args args;
-    /* bound by BoundLayer.bind_merge: the merge's persistent all-reduce, run from here */
-    int (*finalized)(int *flag);               /* MPI_Finalized: checked first, every step */
-    int (*start)(void *request);               /* MPI_Start, or NULL: one rank, no collective */
-    int (*wait)(void *request, void *status);  /* MPI_Wait */
-    void *request;                             /* the address of the request's handle */
-    float *flag;                               /* the merge buffer's flag record (its m) */
-    int64_t timed;                             /* nonzero: write the two durations below */
-    int64_t kernel_ns, collective_ns;
-    int64_t mpi_error;                         /* the failing MPI call's error code */
-    int64_t status[MPITREE_STATUS_WORDS];      /* room for one MPI_Status */
-} mpitree_layer;
+/* What mpitree_step_run returns (mpitree/_library.py StepCode mirrors it). Codes 0 to 2:
+ * the agreement, where one is bound, held on every rank, and the merge ran. */
+enum mpitree_code {
+    MPITREE_OK = 0,          /* out written */
+    MPITREE_FLAGGED = 1,     /* a rank's flag says it failed: out untouched */
+    MPITREE_MERGE_ERROR = 2, /* the merge's MPI call returned the error code in mpi_error */
+    MPITREE_UNBOUND = 3,     /* no merge is bound (no flag or no MPI_Finalized): nothing ran */
+    MPITREE_FINALIZED = 4,   /* MPI is finalized: nothing ran */
+    MPITREE_DISAGREED = 5,   /* the agreement's result, in got, is not sent: nothing else ran */
+    MPITREE_AGREE_ERROR = 6, /* MPI_Finalized or the agreement returned the error code in
+                                mpi_error: nothing else ran */
+};
 
+/* This rank's records (mpitree_step.local; mpitree/_library.py StepLocal mirrors it). */
+enum mpitree_local {
+    MPITREE_LOCAL_KERNEL = 0, /* the kernel over the bound shard with this call's q, t, vis */
+    MPITREE_LOCAL_COPY = 1,   /* nbytes of source copied in (allreduce_state) */
+};
+
+/* The output's layout (mpitree_step.output; mpitree/_library.py StepOutput mirrors it). */
+enum mpitree_output {
+    MPITREE_OUTPUT_LAYER = 0,   /* n / d in transformers' (B, Sq, Hq, D), C order */
+    MPITREE_OUTPUT_HEADS = 1,   /* n / d in tree_decode's (B, Hq, Sq, D), C order */
+    MPITREE_OUTPUT_RECORDS = 2, /* the merged records themselves (nbytes) */
+};
+
+/* The one compiled step (_native_step.c), bound once: a step sets only this call's
+ * fields. Bound by mpitree/_kernel.py BoundLayer (a decode layer) and
+ * mpitree/_oneshot_lane.py (a recurring one-shot call). */
 typedef struct {
-    int (*finalized)(int *flag);              /* MPI_Finalized: checked first, every call */
-    void (*allreduce)(void);                  /* MPI_Allreduce (its handles' type), or NULL */
-    int64_t handle_bytes;                     /* sizeof an MPI handle: 4 (int) or a pointer's */
-    int64_t comm, int64_type, min_op;         /* the agreement's handles, by value */
-    int64_t sent[4], got[4];                  /* this rank's agreement vector, the MIN */
+    /* this call's */
+    const float *q;        /* (B, Hq, Sq, D) query, C order (local KERNEL) */
+    const float *k, *v;    /* the shard's K and V, strides in args (a layer binds them) */
+    int64_t t;             /* the shard length T */
+    const uint8_t *vis;    /* (B, Hm, Sq, T) visibility, or NULL (every key) */
+    int64_t vis_heads;     /* Hm: 1 or Hq */
+    const void *source;    /* local COPY: the records copied in */
+    /* bound: the local part and the output */
+    int64_t local;         /* an enum mpitree_local */
+    int64_t output;        /* an enum mpitree_output */
+    float *rec;            /* the merge's float32 (rows, D + 2) records */
+    int64_t nbytes;        /* their bytes (the flag record not included): COPY, RECORDS */
+    float *scratch;        /* local KERNEL: mpitree_attend_scratch(G * Sq, D) floats */
+    mpitree_attn_args args; /* local KERNEL: the kernel's arguments */
+    /* bound: the agreement, or none (allreduce NULL: a layer's later step, one rank) */
+    int (*finalized)(int *flag);  /* MPI_Finalized: asked first, every step */
+    void (*allreduce)(void);      /* MPI_Allreduce (its handles' type), or NULL */
+    int64_t handle_bytes;         /* sizeof an MPI handle: 4 (int) or a pointer's */
+    int64_t comm, int64_type, min_op; /* the agreement's handles, by value */
+    int64_t sent[4], got[4];      /* this rank's agreement vector, the MIN */
+    /* bound: the merge's persistent all-reduce of the records and the flag */
     int (*start)(void *request);              /* MPI_Start, or NULL: one rank, no collective */
     int (*wait)(void *request, void *status); /* MPI_Wait */
-    void *request;                            /* the address of the merge's request handle */
+    void *request;                            /* the address of the request's handle */
     float *flag;                              /* the merge buffer's flag record (its m) */
-    float *records;                           /* the merge buffer's float32 records */
-    int64_t nbytes;                           /* their bytes (the flag record not included) */
-    mpitree_attn_args kernel;                 /* tree_decode: the bound kernel's arguments */
-    float *scratch;                           /* tree_decode: the kernel's scratch */
+    int64_t timed;                            /* nonzero: write the two durations below */
+    int64_t kernel_ns, collective_ns;         /* this rank's records; the merge */
     int64_t mpi_error;                        /* the failing MPI call's error code */
     int64_t status[MPITREE_STATUS_WORDS];     /* room for one MPI_Status */
-} mpitree_oneshot;
+} mpitree_step;
 
 /* _native_op.c */
 int mpitree_nslots(void);
@@ -123,15 +148,10 @@ void mpitree_attend_f32(const mpitree_attn_args *a, const float *q, const float 
 void mpitree_finish_f32(const float *rec, int64_t batch, int64_t heads, int64_t q_len,
                         int64_t dim, float *out);
 
-/* _native_layer.c */
-void mpitree_layer_attend_f32(mpitree_layer *l);
-void mpitree_layer_finish_f32(const mpitree_layer *l, float *out);
-int mpitree_layer_step_f32(mpitree_layer *l, float *out);
-
-/* _native_oneshot.c */
-int mpitree_oneshot_merge_f32(mpitree_oneshot *o, const void *in, void *out);
-int mpitree_oneshot_decode_f32(mpitree_oneshot *o, const float *q, const float *k,
-                               const float *v, int64_t t, float *out);
+/* _native_step.c */
+void mpitree_step_local(mpitree_step *s);
+void mpitree_step_output(const mpitree_step *s, void *out);
+int mpitree_step_run(mpitree_step *s, void *out);
 
 /* _native_read.c */
 float mpitree_read_f32(const float *x, int64_t n);

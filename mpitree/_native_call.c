@@ -1,18 +1,18 @@
 /*
  * mpitree._native_call: one CPython function, for the hottest call mpitree makes.
  *
- *   call(fn, layer, out) -> int
+ *   call(fn, step, out) -> int
  *
- * calls the compiled library's ``int fn(mpitree_layer *layer, float *out)`` at address
- * ``fn``, with the address of ``layer`` (a writable buffer of exactly
- * sizeof(mpitree_layer) bytes: the library's ctypes struct, which the caller's partial
+ * calls the compiled library's ``int fn(mpitree_step *step, void *out)`` at address
+ * ``fn`` (mpitree_step_run), with the address of ``step`` (a writable buffer of exactly
+ * sizeof(mpitree_step) bytes: the library's ctypes struct, which the caller's partial
  * thereby keeps alive) and the address ``out`` (an int). A later decode layer's one
- * compiled call (mpitree_layer_step_f32, mpitree/_kernel.py BoundLayer.step) goes
- * through it: through ctypes, that call costs 2-3 us more a layer on the caches the
- * model's dense layers cooled (docs/benchmarks.md). Like ctypes, it calls what ``fn``
- * and the struct's addresses name: a wrong address crashes the process; it refuses
- * only what it can tell is wrong (arguments of other types, a NULL fn, a layer buffer
- * read-only or of another size). It is an extension of its own: the library is plain
+ * compiled call (mpitree/_kernel.py BoundLayer.step) and a recurring one-shot call's
+ * (mpitree/_oneshot_lane.py) go through it: through ctypes, a layer's costs 2-3 us more
+ * on the caches the model's dense layers cooled (docs/benchmarks.md). Like ctypes, it
+ * calls what ``fn`` and the struct's addresses name: a wrong address crashes the
+ * process; it refuses only what it can tell is wrong (arguments of other types, a NULL
+ * fn, a step buffer read-only or of another size). It is an extension of its own: the library is plain
  * C, with no Python.h, and builds where Python's headers are missing; without this
  * one, the call goes through ctypes.
  */
@@ -21,7 +21,7 @@
 
 #include "_native.h"
 
-typedef int (*mpitree_call_fn)(mpitree_layer *, float *);
+typedef int (*mpitree_call_fn)(mpitree_step *, void *);
 
 static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -31,7 +31,7 @@ static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int code;
     (void)self;
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "call(fn, layer, out) takes 3 arguments");
+        PyErr_SetString(PyExc_TypeError, "call(fn, step, out) takes 3 arguments");
         return NULL;
     }
     fn = (mpitree_call_fn)PyLong_AsVoidPtr(args[0]);
@@ -45,20 +45,20 @@ static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE) != 0)
         return NULL;
-    if (view.len != (Py_ssize_t)sizeof(mpitree_layer)) {
+    if (view.len != (Py_ssize_t)sizeof(mpitree_step)) {
         PyBuffer_Release(&view);
-        PyErr_Format(PyExc_ValueError, "call: layer is %zd bytes, not sizeof(mpitree_layer) = %zu",
-                     view.len, sizeof(mpitree_layer));
+        PyErr_Format(PyExc_ValueError, "call: step is %zd bytes, not sizeof(mpitree_step) = %zu",
+                     view.len, sizeof(mpitree_step));
         return NULL;
     }
-    code = fn((mpitree_layer *)view.buf, (float *)out);
+    code = fn((mpitree_step *)view.buf, out);
     PyBuffer_Release(&view);
     return PyLong_FromLong(code);
 }
 
 static PyMethodDef methods[] = {
     {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL,
-     "call(fn, layer, out) -> int: the compiled int fn(mpitree_layer *, float *)."},
+     "call(fn, step, out) -> int: the compiled int fn(mpitree_step *, void *)."},
     {NULL, NULL, 0, NULL},
 };
 

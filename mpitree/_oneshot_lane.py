@@ -5,9 +5,10 @@ whose call recurs (the same shapes, strides, dtype and options, on the same
 communicator) leaves a :class:`_Lane`: the agreement vector that
 :func:`~._guard.agree` sent for it, its merger's persistent all-reduce, and for
 ``tree_decode`` the bound kernel. A later such call runs in the entry point's lane
-(:func:`~._guard.entry_point`): one compiled call (``_native_oneshot.c``) makes the
-same agreement collective with the same vector and, only if every rank sent it,
-this rank's records (the state's, or the kernel's over the shard) and the merge.
+(:func:`~._guard.entry_point`): one compiled call (``_native_step.c``'s step, with
+its agreement bound) makes the same agreement collective with the same vector and,
+only if every rank sent it, this rank's records (the state's, or the kernel's over
+the shard) and the merge.
 Ranks on the lane and ranks on the guarded path make the same collectives in the
 same order. Where the agreement's result differs (a rank failed its checks, ranks
 disagree, or the native op is not everywhere), :func:`~._guard.settle` finishes it
@@ -28,19 +29,21 @@ from mpi4py import MPI
 
 from . import _traffic
 from ._agreed import _recent, agreed_merger
-from ._guard import _encoding, _entry, raise_failure, settle
+from ._guard import _encoding, _entry, settle
 from ._kernel import Prepared
-from ._library import OneShotArgs, address, native_lib
+from ._library import StepArgs, StepCode, StepLocal, StepOutput, address, bind_call, native_lib
 from ._recurring import _options_key
-from ._runtime import FINALIZED, mpi_calls
+from ._runtime import mpi_calls
 from ._state import State, finish, trusted_state
 from ._step import KernelSlot, _layout
+from ._step_code import settle_code
 from ._traffic import traffic
 
 _lanes: dict = {}  # (id of the comm argument, layout, options key) -> _Lane
 _seen: dict = {}  # the keys of calls seen once: a lane is kept when one comes again
 _LANES_SIZE = 16
 _HANDLE_BYTES = {MPI._sizeof(MPI.Comm), MPI._sizeof(MPI.Datatype), MPI._sizeof(MPI.Op)}
+_MERGED = int(StepCode.MERGE_ERROR)  # codes up to it: every rank agreed and merged
 
 
 class _Lane:
@@ -66,16 +69,16 @@ class _Lane:
         self.comm_arg, self.comm, self.entry = comm_arg, comm, entry
         self.call, self.enc = dataclasses.replace(call, payload=None), enc  # holds no arrays
         self.kernel, self.rows = None, None
-        self.run = native_lib().mpitree_oneshot_merge_f32  # allreduce_state's compiled call
         # held weakly, as agree_merger's kept mergers are: a freed communicator's or an
         # evicted merger's buffers are not kept here
         self.merger, self.cache = weakref.ref(merger), weakref.ref(cached[0])
         self.cache_key = cached[1]
         finalized, start, wait, request, flag = collective
-        args = self.args = OneShotArgs()
+        args = self.args = StepArgs()  # allreduce_state's: its records copied in, out again
+        args.local, args.output = StepLocal.COPY, StepOutput.RECORDS
         args.finalized, args.start, args.wait = finalized, start, wait
         args.request, args.flag = request, flag
-        args.records, args.nbytes = address(merger.records), merger.records.nbytes
+        args.rec, args.nbytes = address(merger.records), merger.records.nbytes
         args.sent[:] = np.frombuffer(enc.sent, np.int64).tolist()
         self.sent = merger.buf.nbytes if start is not None else 0  # bytes counted per merge
         if start is not None:
@@ -86,12 +89,14 @@ class _Lane:
             args.comm = signed(MPI._handleof(comm)).value
             args.int64_type = signed(MPI._handleof(MPI.INT64_T)).value
             args.min_op = signed(MPI._handleof(MPI.MIN)).value
+        self.run = bind_call(native_lib().mpitree_step_run, args)  # run(out) -> a StepCode
 
     def bind_kernel(self, prepared, rows):
         """Bind ``tree_decode``'s kernel (a :class:`Prepared`) for query rows ``(B, Hq, Sq)``."""
         self.kernel, self.rows = prepared, rows
-        self.run = native_lib().mpitree_oneshot_decode_f32
-        self.args.kernel, self.args.scratch = prepared.args, address(prepared.scratch)
+        args = self.args
+        args.local, args.output = StepLocal.KERNEL, StepOutput.HEADS
+        args.args, args.scratch = prepared.args, address(prepared.scratch)
 
     def open(self):
         """Return ``(merger, its cache)`` if the lane may run now; else None (never raises).
@@ -116,7 +121,7 @@ class _Lane:
         As the guarded path does after its agreement: every rank marks it, so that
         their caches evict alike.
         """
-        if code <= 2:
+        if code <= _MERGED:
             cache.move_to_end(self.cache_key)
             if self.sent:
                 traffic.add(self.sent)
@@ -219,10 +224,10 @@ def state_lane(state, comm=None, strategy="auto", *, deterministic=False, node_s
         if opened is None:
             return None
         out = np.empty(records.shape, np.float32)
-        pointers = (address(records), address(out))
+        lane.args.source, target = address(records), address(out)
     except Exception:  # nothing has communicated: the guarded path decides
         return None
-    settled = _run(lane, opened, pointers, lambda call: _merged_state(lane, call, records))
+    settled = _run(lane, opened, target, lambda call: _merged_state(lane, call, records))
     return trusted_state(out) if settled is None else settled
 
 
@@ -275,37 +280,30 @@ def decode_lane(
         out = np.empty(q.shape, np.float32)
         pointers = (address(q), address(k), address(v))
         target = address(out)
+        args = lane.args
+        args.q, args.k, args.v = pointers
+        args.t = t
     except Exception:  # nothing has communicated: the guarded path decides
         return None
-    settled = _run(
-        lane, opened, (*pointers, t, target), lambda call: _decoded(lane, call, q, pointers, t)
-    )
+    settled = _run(lane, opened, target, lambda call: _decoded(lane, call, q, pointers, t))
     return out if settled is None else settled
 
 
-def _run(lane, opened, arguments, merged):
-    """Run the lane's compiled call on ``arguments``; None if it merged, else settle it.
+def _run(lane, opened, out, merged):
+    """Run the lane's compiled step into address ``out``; None if it merged, else settle it.
 
     ``opened`` is :meth:`_Lane.open`'s; after a nonzero code every rank raises, or
     (the native op not everywhere) ``merged(call)`` is the call's result.
     """
     merger, cache = opened
-    code = lane.run(lane.args, *arguments)
+    code = lane.run(out)
     lane.close(code, cache)
     return _settled(lane, merger, code, merged) if code else None
 
 
 def _settled(lane, merger, code, merged):
     """Finish the lane's call after a nonzero code: raise on every rank, or ``merged(call)``."""
-    if code == 1:
-        raise_failure(merger.comm, None)
-    if code in (2, 6):
-        raise MPI.Exception(lane.args.mpi_error)
-    if code == 4:
-        raise RuntimeError(FINALIZED)
-    if code != 5:
-        raise RuntimeError(f"mpitree internal error: a one-shot lane returned {code}")
-    got = bytes(lane.args.got)
+    got = settle_code(code, merger.comm, lane.args)
     call = settle(lane.comm, lane.entry, dataclasses.replace(lane.call), lane.enc, None, got)
     return merged(call)
 

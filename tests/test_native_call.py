@@ -31,23 +31,23 @@ def way(request, monkeypatch):
 def test_the_bound_step_keeps_its_struct_alive_and_returns_the_functions_code(way):
     """A struct with no merge bound: the step returns 3 (nothing ran), after the struct's
     last other reference is gone."""
-    step = _library.bind_call(lib.mpitree_layer_step_f32, _library.LayerArgs())
+    step = _library.bind_call(lib.mpitree_step_run, _library.StepArgs())
     gc.collect()
     assert step(0) == 3
     held = step.args[-1]
-    assert isinstance(getattr(held, "_obj", held), _library.LayerArgs)
+    assert isinstance(getattr(held, "_obj", held), _library.StepArgs)
 
 
 @pytest.mark.parametrize(
     "args, error",
     [
         ((1, 2), TypeError),  # two arguments
-        ((None, _library.LayerArgs(), 0), TypeError),  # fn not an int
-        ((0, _library.LayerArgs(), 0), ValueError),  # fn NULL
+        ((None, _library.StepArgs(), 0), TypeError),  # fn not an int
+        ((0, _library.StepArgs(), 0), ValueError),  # fn NULL
         ((1, 7, 0), TypeError),  # the layer exports no buffer
-        ((1, bytes(ctypes.sizeof(_library.LayerArgs)), 0), BufferError),  # read-only
+        ((1, bytes(ctypes.sizeof(_library.StepArgs)), 0), BufferError),  # read-only
         ((1, bytearray(1), 0), ValueError),  # not the struct's size
-        ((1, _library.LayerArgs(), "out"), TypeError),  # out not an int
+        ((1, _library.StepArgs(), "out"), TypeError),  # out not an int
     ],
     ids=["arity", "fn type", "fn null", "not a buffer", "read-only", "size", "out type"],
 )

@@ -11,6 +11,7 @@ from numpy.testing import assert_allclose
 
 import mpitree
 from mpitree import reference_attention
+from mpitree._library import StepLocal
 from mpitree._state import merge_records
 
 NPROCS = [1, 2, 3, 4]
@@ -263,26 +264,34 @@ def lane_calls(monkeypatch):
 
     The test starts with no lane kept (earlier tests' calls left some).
     """
-    return counted_lane_calls(monkeypatch, "mpitree_oneshot_merge_f32")
+    return counted_lane_calls(monkeypatch, StepLocal.COPY)
 
 
 @pytest.fixture
 def decode_lane_calls(monkeypatch):
     """Count ``tree_decode``'s lane calls on this rank, from no lane kept."""
-    return counted_lane_calls(monkeypatch, "mpitree_oneshot_decode_f32")
+    return counted_lane_calls(monkeypatch, StepLocal.KERNEL)
 
 
-def counted_lane_calls(monkeypatch, name):
-    """Count the lanes' calls of compiled function ``name``, from no lane kept."""
+def counted_lane_calls(monkeypatch, local):
+    """Count the lanes' compiled steps whose records come ``local`` ways, from no lane kept."""
     from mpitree import _oneshot_lane
-    from mpitree._library import native_lib
 
     monkeypatch.setattr(_oneshot_lane, "_lanes", {})
     monkeypatch.setattr(_oneshot_lane, "_seen", {})
-    calls, lib = [], native_lib()
-    if lib is not None:  # a lane kept from now on takes the counting function
-        real = getattr(lib, name)
-        monkeypatch.setattr(lib, name, lambda *a: calls.append(1) or real(*a))
+    calls, bind = [], _oneshot_lane.bind_call
+
+    def counted(fn, args, keep=()):  # a lane kept from now on takes the counting step
+        step = bind(fn, args, keep)
+
+        def run(out):
+            if args.local == local:
+                calls.append(1)
+            return step(out)
+
+        return run
+
+    monkeypatch.setattr(_oneshot_lane, "bind_call", counted)
     return calls
 
 
