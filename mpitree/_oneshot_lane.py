@@ -26,7 +26,6 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from . import _traffic
 from ._agreed import _recent, agreed_merger
 from ._guard import _encoding, _entry, raise_failure, settle
 from ._kernel import Prepared
@@ -35,7 +34,7 @@ from ._recurring import _options_key
 from ._runtime import FINALIZED, mpi_calls
 from ._state import State, finish, trusted_state
 from ._step import KernelSlot, _layout
-from ._traffic import traffic
+from ._traffic import hook, traffic
 
 _lanes: dict = {}  # (id of the comm argument, layout, options key) -> _Lane
 _seen: dict = {}  # the keys of calls seen once: a lane is kept when one comes again
@@ -96,8 +95,9 @@ class _Lane:
     def open(self):
         """Return ``(merger, its cache)`` if the lane may run now; else None (never raises).
 
-        It may not inside another entry point, or while a :func:`phase_times` block
-        is open (the guarded path's phases are the ones timed).
+        It may not inside another entry point, or while an observer is on the
+        phase hook (a ``phase_times`` block is open: the guarded path's phases
+        are the ones timed).
         """
         merger, cache = self.merger(), self.cache()
         if (
@@ -105,7 +105,7 @@ class _Lane:
             or cache is None
             or not merger.alive
             or _entry.get() is not None
-            or _traffic._dicts
+            or hook.observer is not None
         ):
             return None
         return merger, cache

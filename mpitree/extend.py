@@ -41,7 +41,8 @@ queries, then a state of every query from every rank), but each rank computes
 over its own keys only.
 
 Benchmarks and tools measure through the same layer, locally (no MPI):
-``phase_times`` times the phases of calls made inside a ``with`` block,
+``phase_times`` times the phases of calls made inside a ``with`` block
+(the calls report them to ``phase_hook``),
 ``traffic`` counts the bytes handed to MPI, ``Prepared`` runs the compiled kernel
 alone, ``read_seconds`` times the read floor, ``kernel_isa`` names the kernel
 build (``kernel_levels`` lists the builds this CPU runs, ``select_kernel`` picks
@@ -85,7 +86,8 @@ from ._prefill_collectives import allgather_rows, reduce_scatter_records, scatte
 from ._state import combine_records, empty_records, finish, merge_records
 from ._step import Attention, KernelSlot, prepare_attention
 from ._strategies import op_needed, resolve
-from ._traffic import phase_times
+from ._timers import phase_times
+from ._traffic import hook as _hook
 from ._traffic import traffic as _traffic
 
 #: This rank's running count of the payload bytes mpitree's merges hand to MPI,
@@ -96,6 +98,16 @@ from ._traffic import traffic as _traffic
 #: moves on the wire. Always on, local; for benchmarks and tools: a step's bytes are
 #: ``extend.traffic.bytes`` after ``extend.traffic.reset()`` and the step.
 traffic = _traffic
+
+#: The phase hook ``phase_times`` observes through: ``phase_hook.observer`` is
+#: None unless a ``phase_times`` block is open. An adapter step that times itself
+#: (the transformers layer's checked local step, its ``"local"`` phase) reads it
+#: once and, only where it is not None, reports to it: ``observer.enter(phase)``
+#: opens the phase on this thread (False where it is open there already: run
+#: untimed), then ``observer.timed(phase, fn, *args)`` returns ``fn(*args)`` and
+#: closes it, its seconds appended to every open block. The phase names are
+#: ``phase_times``'s; adapters never set ``observer``.
+phase_hook = _hook
 
 __all__ = [
     "Attention",
@@ -133,6 +145,7 @@ __all__ = [
     "merger_for",
     "namespace",
     "op_needed",
+    "phase_hook",
     "phase_times",
     "plan_merger",
     "prepare_attention",

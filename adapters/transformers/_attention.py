@@ -331,7 +331,13 @@ class LayerStep:
         return self.att
 
     def fill(self, records):
-        """Write this shard's state of the layer's queries into host records."""
+        """Write this shard's state of the layer's queries into host records.
+
+        The call is the ``"local"`` phase of an ``extend.phase_hook`` observer.
+        """
+        observer = extend.phase_hook.observer
+        if observer is not None and observer.enter("local"):
+            return observer.timed("local", self.fill, records)
         self.view.layer.kernel.fill(self.prepare(), records)
 
     def block(self):
