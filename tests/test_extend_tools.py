@@ -1,15 +1,18 @@
 """The measuring names of mpitree.extend: phase timers, traffic, the kernel, a plan's merger."""
 
+import ast
 import ctypes
 import sys
 import threading
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import mpitree
 from mpitree import _decode_plan, _guard, _invariant_merger, _timers, extend
+from mpitree._guard import agree as bound_before  # a name bound before any block opens
 from mpitree._library import library_path
 
 SHAPE = (1, 4, 2, 16)  # B, Hq, Hkv, D
@@ -294,6 +297,34 @@ def test_phase_times_counts_an_adapters_extend_agree(monkeypatch):
     with extend.phase_times() as times:
         my_call()
     assert len(times["agreement"]) == 1
+
+
+def test_phase_times_counts_an_agreement_by_any_name(monkeypatch):
+    """The agreement times itself: a name bound before the block is timed too."""
+    monkeypatch.setattr(_guard, "ENTRY_POINTS", {})
+
+    @extend.entry_point
+    def my_call():
+        return bound_before(extend.check_comm(None), lambda: extend.Call({"rows": 4}))
+
+    with extend.phase_times() as times:
+        my_call()
+    assert len(times["agreement"]) == 1
+
+
+def test_the_observer_slot_is_the_bottom_and_nothing_patches():
+    """``_traffic`` imports nothing of mpitree; no module of the package sets attributes by name."""
+    root = Path(mpitree.__file__).parent
+    tree = ast.parse((root / "_traffic.py").read_text())
+    imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert all(isinstance(n, ast.ImportFrom) and n.module == "__future__" for n in imports)
+    for path in [*root.rglob("*.py"), *(root.parent / "adapters").rglob("*.py")]:
+        calls = [
+            n
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setattr"
+        ]
+        assert not calls, path
 
 
 def test_phase_times_counts_the_invariant_merge():
