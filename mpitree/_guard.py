@@ -34,6 +34,7 @@ from mpi4py import MPI
 from ._op import native_op_available, record_op
 from ._runtime import check_mpi_usable, default_comm
 from ._strategies import op_needed
+from ._traffic import hook, traffic
 
 MAX_FIELDS = 24
 ENTRY_POINTS: dict = {}  # "module.qualname" -> the public function or method
@@ -303,7 +304,8 @@ def agree(comm, prepare):
     (the lowest failing rank), whether the native op is there, and a 56-bit code
     of the whole signature (its counts included) and its negation. When the codes
     differ between ranks, one more collective (failure path only) finds the fields
-    that differ.
+    that differ. The whole call is the ``"agreement"`` phase of an observer on
+    the phase hook (:data:`~._traffic.hook`).
 
     Parameters
     ----------
@@ -324,6 +326,9 @@ def agree(comm, prepare):
         On every rank: the failing rank's own exception there, :class:`RankError`
         elsewhere; ``ValueError`` naming the fields when ranks disagree.
     """
+    observer = hook.observer
+    if observer is not None and observer.enter("agreement"):
+        return observer.timed("agreement", agree, comm, prepare)
     entry = current_entry()
     error = call = enc = None
     try:
@@ -403,8 +408,6 @@ def flagged_allreduce(comm, values, op, error):
         buf[:-1] = -np.inf if op == MPI.MAX else 0
     buf[-1] = 1 if error is not None else 0
     if comm.Get_size() > 1:
-        from ._traffic import traffic
-
         traffic.add(buf.nbytes)
         comm.Allreduce(MPI.IN_PLACE, buf, op=op)
     if buf[-1] > 0:

@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from ._guard import raise_failure
 from ._invariant import canonical_root, pack, piece_bytes, unpack
-from ._traffic import traffic
+from ._traffic import hook, traffic
 
 _HEADER = 16  # bytes before a rank's pieces: its failure flag and piece count, two int64
 
@@ -71,7 +71,15 @@ class InvariantMerger:
         Exception
             On every rank when any rank's local work failed, or two ranks hold
             the same block.
+
+        Notes
+        -----
+        Under an observer on the phase hook (:data:`~._traffic.hook`), the
+        call is its ``"merge"`` phase (its collective counts in it only).
         """
+        observer = hook.observer
+        if observer is not None and observer.enter("merge"):
+            return observer.timed("merge", self.merge, local)
         cap, error = self.capacity, None
         try:
             mine = pack(*local())

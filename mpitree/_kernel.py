@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from ._library import AttnArgs, StepArgs, StepLocal, StepOutput, address, bind_call, native_lib
+from ._traffic import hook
 
 KERNEL_ENV = "MPITREE_LOCAL_KERNEL"  # "native" (default when built) or "numpy"
 _local = threading.local()  # per-thread scratch buffer of the kernel
@@ -218,7 +219,11 @@ def attend_native(q, k, v, scale, lens, vis, out):
     """Run the C kernel on host float32 inputs into ``out`` records; False if it does not apply.
 
     K/V views whose strides are not whole elements are copied first (never misread).
+    The call is the ``"kernel"`` phase of an observer on :data:`~._traffic.hook`.
     """
+    observer = hook.observer
+    if observer is not None and observer.enter("kernel"):
+        return observer.timed("kernel", attend_native, q, k, v, scale, lens, vis, out)
     lib = _lib()
     if lib is None or k.dtype != np.float32 or out.dtype != np.float32:
         return False
@@ -276,7 +281,8 @@ class Prepared:
     the scratch and the bound function, so a step only sets ``T``, the lengths
     pointer and the data pointers. Built only for host float32 numpy arrays with
     whole-element strides and a C-contiguous ``q``; None otherwise (see :meth:`of`,
-    the way to build one). :meth:`run` and :meth:`run_raw` check nothing.
+    the way to build one). :meth:`run` and :meth:`run_raw` check nothing; each
+    call is the ``"kernel"`` phase of an observer on :data:`~._traffic.hook`.
 
     Parameters
     ----------
@@ -376,6 +382,9 @@ class Prepared:
         out : int
             Address of the float32 ``(B * Hq * Sq, D + 2)`` records, C order.
         """
+        observer = hook.observer
+        if observer is not None and observer.enter("kernel"):
+            return observer.timed("kernel", self.run_raw, q, k, v, t, out)
         self.args.t = t
         self.args.lens = None
         self._fn(self._ref, q, k, v, out, self._sp)
@@ -403,6 +412,9 @@ class Prepared:
             float32 ``(B * Hq * Sq, D + 2)`` records (any shape of that size),
             C-contiguous; written, one record ``(m, n, d...)`` per query row.
         """
+        observer = hook.observer
+        if observer is not None and observer.enter("kernel"):
+            return observer.timed("kernel", self.run, q, k, v, lens, out)
         if k is not self._k:  # a cache is usually the same array step after step
             self._k, self._kp = k, address(k)
         if v is not self._v:
@@ -489,7 +501,13 @@ class BoundLayer:
         return cls(lib, shape, kv_heads, k, v, records, scale, keep)
 
     def fill(self, records):
-        """Run the kernel into the bound records (``records``: the merger's same buffer)."""
+        """Run the kernel into the bound records (``records``: the merger's same buffer).
+
+        The call is the ``"kernel"`` phase of an observer on :data:`~._traffic.hook`.
+        """
+        observer = hook.observer
+        if observer is not None and observer.enter("kernel"):
+            return observer.timed("kernel", self.fill, records)
         self._attend(self._ref)
 
     def finish(self, out):

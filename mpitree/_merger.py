@@ -23,6 +23,7 @@ from ._runtime import check_mpi_usable
 from ._state import empty_records
 from ._step_code import settle_code
 from ._strategies import REGISTRY, free_requests
+from ._traffic import hook
 
 _CACHE_SIZE = 16
 _keyval = None
@@ -85,14 +86,28 @@ class Merger:
         ------
         Exception
             On every rank when any rank's local work failed.
+
+        Notes
+        -----
+        Under an observer on the phase hook (:data:`~._traffic.hook`), the
+        call is its ``"merge"`` phase and the strategy's collective (with the
+        failure flag) its ``"collective"``.
         """
+        observer = hook.observer
+        if observer is not None and observer.enter("merge"):
+            return observer.timed("merge", self.merge, local)
         error = None
         try:
             getattr(local, "fill", local)(self.records)
         except Exception as exc:  # the verdict rides in the merge collective
             error = exc
             empty_records(self.records)
-        if self._impl.reduce(local, error is not None):
+        failed = error is not None
+        if observer is not None and observer.enter("collective"):
+            failed = observer.timed("collective", self._impl.reduce, local, failed)
+        else:
+            failed = self._impl.reduce(local, failed)
+        if failed:
             error = error if error is not None else self._impl.error
             self._impl.error = None
             raise_failure(self.comm, error)
@@ -139,7 +154,17 @@ class Merger:
             On every rank when any rank's local work failed (its flag rode the
             merge); ``mpi4py.MPI.Exception`` where an MPI call returned an error;
             ``RuntimeError`` once MPI is finalized (the one call asks first).
+
+        Notes
+        -----
+        Under an observer on the phase hook (:data:`~._traffic.hook`), the
+        call is its ``"merge"`` phase, and the one compiled call times its
+        kernel and its collective (with the flag) on its own clock: they are
+        its ``"kernel"`` and ``"collective"``.
         """
+        observer = hook.observer
+        if observer is not None and observer.enter("merge"):
+            return observer.timed("merge", self._clocked_layer, observer, bound, out)
         code = self._impl.reduce_bound(bound, out) if bound.merger is self else None
         if code is None:  # unbound, or freed: the general path (as a merge after free runs)
             check_mpi_usable()  # the one call asks MPI_Finalized; so must its replacement
@@ -147,6 +172,23 @@ class Merger:
             bound.finish(out)
         elif code:  # a layer binds no agreement: every code but OK raises
             settle_code(code, self.comm, bound.call)
+
+    def _clocked_layer(self, observer, bound, out):
+        """:meth:`merge_layer` with the compiled step's own clock on (``call.timed``).
+
+        Its kernel's and collective's nanoseconds go to ``observer`` where the
+        one compiled call ran (the general path leaves them at -1: its kernel
+        reports itself).
+        """
+        call = bound.call
+        call.timed, call.kernel_ns, call.collective_ns = 1, -1, -1
+        try:
+            self.merge_layer(bound, out)
+        finally:
+            call.timed = 0
+            if call.kernel_ns >= 0:
+                observer.took("kernel", call.kernel_ns * 1e-9)
+                observer.took("collective", call.collective_ns * 1e-9)
 
     def free(self):
         """Release the merger's MPI resources now (otherwise when it is collected)."""

@@ -27,7 +27,6 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from . import _traffic
 from ._agreed import _recent, agreed_merger
 from ._guard import _encoding, _entry, settle
 from ._kernel import Prepared
@@ -37,7 +36,7 @@ from ._runtime import mpi_calls
 from ._state import State, finish, trusted_state
 from ._step import KernelSlot, _layout
 from ._step_code import settle_code
-from ._traffic import traffic
+from ._traffic import hook, traffic
 
 _lanes: dict = {}  # (id of the comm argument, layout, options key) -> _Lane
 _seen: dict = {}  # the keys of calls seen once: a lane is kept when one comes again
@@ -101,8 +100,9 @@ class _Lane:
     def open(self):
         """Return ``(merger, its cache)`` if the lane may run now; else None (never raises).
 
-        It may not inside another entry point, or while a :func:`phase_times` block
-        is open (the guarded path's phases are the ones timed).
+        It may not inside another entry point, or while an observer is on the
+        phase hook (a ``phase_times`` block is open: the guarded path's phases
+        are the ones timed).
         """
         merger, cache = self.merger(), self.cache()
         if (
@@ -110,7 +110,7 @@ class _Lane:
             or cache is None
             or not merger.alive
             or _entry.get() is not None
-            or _traffic._dicts
+            or hook.observer is not None
         ):
             return None
         return merger, cache

@@ -75,7 +75,7 @@ from ._options import Options
 from ._prefill_collectives import allgather_rows
 from ._state import finish
 from ._step import prepare_attention
-from ._traffic import phase_times
+from ._timers import phase_times
 from ._traffic import traffic as _traffic
 
 #: This rank's running count of the payload bytes mpitree's merges hand to MPI,

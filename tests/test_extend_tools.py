@@ -5,12 +5,15 @@ import ctypes
 import inspect
 import sys
 import threading
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import mpitree
-from mpitree import _decode_plan, _guard, _invariant_merger, _traffic, extend
+from mpitree import _decode_plan, _guard, _invariant_merger, _timers, _traffic, extend
+from mpitree._guard import agree as bound_before  # a name bound before any block opens
 from mpitree._library import library_path
 
 SHAPE = (1, 4, 2, 16)  # B, Hq, Hkv, D
@@ -31,9 +34,37 @@ def reference(q, k, v):
     return mpitree.reference_attention(q.astype(np.float64), k, v)[0]
 
 
+_KINDS = (types.FunctionType, type, staticmethod, classmethod, property)
+
+
 def originals():
-    """Return every callable phase_times may wrap, read from its owner's own namespace."""
-    return {(id(o), a): vars(o)[a] for o, a, _ in _traffic._targets()}
+    """Return every function and class of mpitree's loaded modules and of their classes.
+
+    Each read from its owner's own namespace: phase_times replaces none of them,
+    while a block is open or after (the code reports its phases to the hook).
+    """
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("mpitree"):
+            continue
+        owners = [module]
+        owners += [c for c in vars(module).values() if isinstance(c, type) and c.__module__ == name]
+        for owner in owners:
+            for attr, value in vars(owner).items():
+                if isinstance(value, _KINDS):
+                    found[(name, getattr(owner, "__qualname__", ""), attr)] = value
+    return found
+
+
+def unchanged(before):
+    """Whether every callable in ``before`` is still its owner's (modules imported since aside)."""
+    now = originals()
+    return all(now.get(key) is value for key, value in before.items())
+
+
+def timers_on():
+    """Whether an observer is on the phase hook (some block is open)."""
+    return _traffic.hook.observer is not None
 
 
 def test_the_surface_is_small_and_every_name_documented():
@@ -61,10 +92,12 @@ def test_phase_times_times_each_phase_and_leaves_nothing_behind():
     with mpitree.DecodePlan(*SHAPE) as plan:
         plain = plan.decode(q, k, v)
         with extend.phase_times() as times:
+            assert timers_on()
             timed = plan.decode(q, k, v)
             mpitree.tree_decode(q, k, v)
+            assert unchanged(before)
         after = plan.decode(q, k, v)
-    assert originals() == before
+    assert unchanged(before) and not timers_on()
     assert {"merge", "collective", "kernel", "agreement"} <= set(times)
     assert len(times["merge"]) == 2 and len(times["kernel"]) == 2  # nested calls count once
     assert len(times["agreement"]) == 1  # tree_decode's; a plan step agrees on nothing
@@ -171,7 +204,7 @@ def test_phase_times_restores_everything_after_an_exception():
         with extend.phase_times():
             mpitree.tree_decode(q, k, v)
             raise ZeroDivisionError
-    assert originals() == before
+    assert unchanged(before) and not timers_on()
 
 
 def test_phase_times_restores_when_blocks_close_out_of_order():
@@ -186,9 +219,9 @@ def test_phase_times_restores_when_blocks_close_out_of_order():
     q, k, v = arrays()
     with extend.phase_times() as inner:
         gen.close()  # the first block ends first: the timers stay on for this one
-        assert originals() != before
+        assert timers_on()
         mpitree.tree_decode(q, k, v)
-    assert originals() == before
+    assert unchanged(before) and not timers_on()
     assert len(inner["kernel"]) == 1 and "kernel" not in outer
     mpitree.tree_decode(q, k, v)
     assert len(inner["kernel"]) == 1  # nothing timed after the last block
@@ -216,7 +249,7 @@ def test_phase_times_blocks_of_two_threads_ending_in_either_order():
     for t in threads:
         t.join(60)
     assert a_out.is_set() and not any(t.is_alive() for t in threads)
-    assert originals() == before and _decode_plan.FAST_PATH is True
+    assert unchanged(before) and not timers_on() and _decode_plan.FAST_PATH is True
 
 
 def test_phase_times_same_block_reentered_counts_once_and_stays_on():
@@ -228,23 +261,30 @@ def test_phase_times_same_block_reentered_counts_once_and_stays_on():
             with block:
                 mpitree.tree_decode(q, k, v)  # three entries of one dict: counted once
             mpitree.tree_decode(q, k, v)
-        assert originals() != before  # the outer entry is still open
+        assert timers_on()  # the outer entry is still open
         mpitree.tree_decode(q, k, v)
-    assert originals() == before
+    assert unchanged(before) and not timers_on()
     assert len(times["kernel"]) == 3 and len(times["agreement"]) == 3
 
 
-def test_phase_times_enter_failing_midway_restores_what_it_wrapped(monkeypatch):
+def test_phase_times_enter_failing_midway_leaves_the_timers_off(monkeypatch):
     before = originals()
-    monkeypatch.setitem(sys.modules, "mpitree.adapters.transformers._attention", None)
+
+    def fail(dicts):
+        raise ImportError("entering failed")
+
+    monkeypatch.setattr(_timers, "_distinct", fail)
     with pytest.raises(ImportError):
         with extend.phase_times():
             pass
     monkeypatch.undo()
-    assert originals() == before
-    with extend.phase_times():  # and the next block works
-        assert originals() != before
-    assert originals() == before
+    assert unchanged(before) and not timers_on() and _timers._open == []
+    q, k, v = arrays()
+    with extend.phase_times() as times:  # and the next block works
+        assert timers_on()
+        mpitree.tree_decode(q, k, v)
+    assert unchanged(before) and not timers_on()
+    assert len(times["kernel"]) == 1
 
 
 @pytest.mark.parametrize(
@@ -256,7 +296,7 @@ def test_phase_times_refuses_a_bad_dict_before_any_timer_is_on(times):
     before = originals()
     with pytest.raises(TypeError, match="phase_times"):
         extend.phase_times(times)
-    assert originals() == before
+    assert unchanged(before) and not timers_on()
 
 
 def test_phase_times_counts_a_validating_plans_agreement():
@@ -277,6 +317,34 @@ def test_phase_times_counts_an_adapters_extend_agree(monkeypatch):
     with extend.phase_times() as times:
         my_call()
     assert len(times["agreement"]) == 1
+
+
+def test_phase_times_counts_an_agreement_by_any_name(monkeypatch):
+    """The agreement times itself: a name bound before the block is timed too."""
+    monkeypatch.setattr(_guard, "ENTRY_POINTS", {})
+
+    @extend.entry_point
+    def my_call():
+        return bound_before(extend.check_comm(None), lambda: extend.Call({"rows": 4}))
+
+    with extend.phase_times() as times:
+        my_call()
+    assert len(times["agreement"]) == 1
+
+
+def test_the_observer_slot_is_the_bottom_and_nothing_patches():
+    """``_traffic`` imports nothing of mpitree; no module of the package sets attributes by name."""
+    root = Path(mpitree.__file__).parent
+    tree = ast.parse((root / "_traffic.py").read_text())
+    imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert all(isinstance(n, ast.ImportFrom) and n.module == "__future__" for n in imports)
+    for path in [*root.rglob("*.py"), *(root.parent / "adapters").rglob("*.py")]:
+        calls = [
+            n
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setattr"
+        ]
+        assert not calls, path
 
 
 def test_phase_times_counts_the_invariant_merge():

@@ -18,6 +18,7 @@ from mpitree._merger import Merger
 from mpitree._namespace import namespace
 from mpitree._options import acc_name, dtype_name
 from mpitree._step import Attention, KernelSlot
+from mpitree._traffic import hook as phase_hook
 
 from ._cache import HANDOFF, foreign_shard, take_view
 from ._prefill import reserve, sharded_attention
@@ -338,7 +339,13 @@ class LayerStep:
         return self.att
 
     def fill(self, records):
-        """Write this shard's state of the layer's queries into host records."""
+        """Write this shard's state of the layer's queries into host records.
+
+        The call is the ``"local"`` phase of a ``phase_times`` observer (``mpitree._traffic.hook``).
+        """
+        observer = phase_hook.observer
+        if observer is not None and observer.enter("local"):
+            return observer.timed("local", self.fill, records)
         self.view.layer.kernel.fill(self.prepare(), records)
 
     def block(self):
