@@ -29,8 +29,11 @@ LAUNCHER_FAILURES = ("PMIx server's listener thread failed to start",)
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(n, args, env=None, timeout=120):
-    """Run ``args`` on ``n`` ranks from the checkout's root; return the CompletedProcess (text)."""
+def run(n, args, env=None, timeout=120, input=None):
+    """Run ``args`` on ``n`` ranks from the checkout's root; return the CompletedProcess (text).
+
+    ``input``: the text mpiexec forwards to rank 0's stdin.
+    """
     full_env = {**os.environ, **(env or {})}
     full_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     full_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
@@ -40,6 +43,7 @@ def run(n, args, env=None, timeout=120):
             env=full_env,
             capture_output=True,
             text=True,
+            input=input,
             timeout=timeout,
             check=False,
             cwd=ROOT,  # the examples' and benchmarks' relative paths hold from any cwd
