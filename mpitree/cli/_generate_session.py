@@ -64,6 +64,7 @@ class Stream:
 
     def __init__(self, tokenizer, stops, out):
         self.tokenizer, self.stops, self.out = tokenizer, stops, out
+        # the ids since the last shown line end, and how much of their text is shown
         self.ids, self.first, self.prompt_seen, self.done = [], None, False, 0
 
     def put(self, tokens):
@@ -75,12 +76,18 @@ class Stream:
             self.first = time.perf_counter()
         if self.out is not None:
             self.ids += tokens.reshape(-1).tolist()
-            self._show(_shown(self._text(), self.stops)[0])
+            text = self._text()
+            shown = _shown(text, self.stops)[0]
+            self._show(shown)
+            if shown == text and text.endswith("\n"):  # nothing held back: start a new line
+                self.ids, self.done = [], 0
 
     def _text(self):
+        """Return the text of the ids since the last shown line end."""
         return self.tokenizer.decode(self.ids, skip_special_tokens=True)
 
     def _show(self, text):
+        """Print the part of ``text`` not printed yet."""
         if len(text) > self.done:
             self.out.write(text[self.done :])
             self.out.flush()

@@ -37,7 +37,9 @@ def add_arguments(parser):
     )
     text = parser.add_mutually_exclusive_group()
     text.add_argument(
-        "--prompt", help=f"the prompt, decoded as given, '' too (default: {DEFAULT_PROMPT!r})"
+        "--prompt",
+        help=f"the prompt, decoded as given ('' too: an empty user message; default: "
+        f"{DEFAULT_PROMPT!r})",
     )
     text.add_argument(
         "--prompt-file", help="read the prompt from this text file ('-': stdin; rank 0 reads it)"
@@ -76,7 +78,13 @@ def add_arguments(parser):
         help="print one JSON object on stdout (one per turn with --chat) instead of the text "
         "and figures: text, token ids, prompt tokens, timings, per-rank cache",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=128,
+        help="the most tokens to generate (the model's end-of-sequence token or --stop ends "
+        "sooner)",
+    )
     parser.add_argument(
         "--placement", default="interleave", choices=("interleave", "last"), help="cache placement"
     )
