@@ -252,7 +252,7 @@ def run(args):
         sampling = _check_options(args)
         if rank == 0:
             work = _read_inputs(args)
-    except ValueError as exc:  # agreed below: every rank stops, none waits in a collective
+    except Exception as exc:  # agreed below: every rank stops, none waits in a collective
         error = exc
     message = _agreed(comm, error)
     if message is not None:
