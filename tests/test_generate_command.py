@@ -189,3 +189,34 @@ def test_help_tells_the_truth():
     for option in ("--stop", "--chat", "--system", "--json", "--prompts", "--output"):
         assert option in text
     assert "one prompt at a time" in text  # the batch says how it runs
+
+
+class Letters:
+    """A tokenizer stand-in: token ``i`` is the character ``chr(i)``."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def test_the_stream_never_prints_a_stop_string(capsys):
+    """Text that could begin a stop string is held back; the stop string is never printed."""
+    from mpitree.cli._generate_session import Stream
+
+    for text, stops, shown in [
+        ("Hello world\nand more", [" wor"], "Hello"),
+        ("Hello\nwor", ["world"], "Hello\nwor"),  # "wor" held back until the end
+        ("ab\n\ncd", ["\n\n"], "ab"),
+        ("plain text", [], "plain text"),
+    ]:
+        stream = Stream(Letters(), stops, sys.stdout)
+        stream.put(torch.tensor([[1, 2]]))  # the prompt: not printed
+        printed = []
+        for ch in text:
+            stream.put(torch.tensor([ord(ch)]))
+            printed.append(capsys.readouterr().out)
+            assert not any(s in "".join(printed) for s in stops), (text, printed)
+        stream.end()
+        out = "".join(printed) + capsys.readouterr().out
+        final = shown if stops and any(s in text for s in stops) else text
+        assert out == final + "\n", (text, out)
+        assert stream.first is not None
