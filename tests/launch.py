@@ -29,8 +29,11 @@ LAUNCHER_FAILURES = ("PMIx server's listener thread failed to start",)
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(n, args, env=None, timeout=120, cwd=ROOT):
-    """Run ``args`` on ``n`` ranks in ``cwd`` (default: the root); return the CompletedProcess."""
+def run(n, args, env=None, timeout=120, cwd=ROOT, input=None):
+    """Run ``args`` on ``n`` ranks in ``cwd`` (default: the root); return the CompletedProcess.
+
+    ``input``: the text mpiexec forwards to rank 0's stdin.
+    """
     full_env = {**os.environ, **(env or {})}
     full_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     full_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
@@ -40,6 +43,7 @@ def run(n, args, env=None, timeout=120, cwd=ROOT):
             env=full_env,
             capture_output=True,
             text=True,
+            input=input,
             timeout=timeout,
             check=False,
             cwd=cwd,  # the root: the examples' and benchmarks' relative paths hold from any cwd

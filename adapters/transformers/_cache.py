@@ -677,6 +677,11 @@ class ShardedCache(Cache):
         return self.sharding.comm
 
     @property
+    def block_size(self):
+        """Tokens per placement block: ``"interleave"`` deals blocks of them round-robin."""
+        return self.sharding.block_size
+
+    @property
     def strategy(self):
         """The merge strategy of the next steps; settable (every rank must set the same)."""
         return self.sharding.strategy

