@@ -49,7 +49,9 @@ class CachedBuildExt(build_ext):
         if kept.is_file():
             print(f"mpitree: {ext.name}: sources unchanged, reusing {kept}", flush=True)
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(kept, target)
+            partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            shutil.copyfile(kept, partial)
+            os.replace(partial, target)  # a new file: a process that loaded the old one keeps it
             return
         sources = ", ".join(Path(s).name for s in ext.sources)
         print(f"mpitree: compiling {ext.name} from {sources} (a minute or two)", flush=True)
