@@ -317,6 +317,31 @@ def test_ranks_diverging_mid_generation_raise_on_every_rank():
             model(ids[:, :1], cache=cache)
 
 
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_position_ids_off_on_one_rank_raise_on_every_rank(tokens):
+    """A step's position ids are agreed: one rank's off-by-one is an error there, at once.
+
+    Without it, that step's logits changed silently and the next step's re-feed
+    check raised a misleading message.
+    """
+    model = tiny_llama()
+    model.set_attn_implementation("mpitree")
+    ids, _ = prompt(9, False)
+    cache = mtt.ShardedCache(model.config, block_size=2)
+    with torch.no_grad():
+        model(ids, cache=cache)
+        new = ids[:, :tokens]
+        pos = torch.arange(9, 9 + tokens)[None]
+        if world().rank == world().size - 1:
+            pos = pos + 1
+        with pytest.raises(ValueError, match=r"ranks disagree on .*step positions"):
+            model(new, cache=cache, position_ids=pos)
+        # the failed step left the cache as it was: the agreed step decodes on
+        got = model(new, cache=cache, position_ids=torch.arange(9, 9 + tokens)[None]).logits
+    assert torch.isfinite(got).all()
+
+
 EDITS = {  # a crop or batch operation run by one rank only
     "crop": (lambda c: c.crop(-1), "cached tokens"),
     "reorder_cache": (lambda c: c.reorder_cache(torch.tensor([1, 0])), "cache edits"),

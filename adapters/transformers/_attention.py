@@ -444,6 +444,20 @@ def _step_positions(kw, batch, q_len):
     return pos if pos.shape[0] == batch else pos.expand(batch, q_len)
 
 
+def _positions_code(positions):
+    """Return the step's position ids as one agreement count, the same in every process.
+
+    0 without position ids; a step of one token, its position plus 1 (so that a
+    disagreement names the positions); else a code of all of them.
+    """
+    if positions is None:
+        return 0
+    values = positions.reshape(-1).tolist()
+    if len(values) == 1 and 0 <= values[0] < (1 << 61):
+        return values[0] + 1
+    return (hash(tuple(values)) & ((1 << 61) - 1)) | (1 << 61)
+
+
 def _refeed_error(view, positions):
     """Return the error for a step that feeds tokens the cache already holds."""
     return ValueError(
@@ -499,8 +513,13 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, recipe, positi
             )
             return extend.Call(recipe.signature, payload)
         # the cache's global length and edits: a crop or batch operation on one rank only
-        # would merge states of different tokens (the layers' own signature stays as it is)
-        cache = {"cached tokens": view.start, "cache edits": sharding.edits}
+        # would merge states of different tokens (the layers' own signature stays as it is);
+        # the step's positions: other position ids on one rank give other rotary queries
+        cache = {
+            "cached tokens": view.start,
+            "cache edits": sharding.edits,
+            "step positions": _positions_code(positions),
+        }
         return extend.Call(
             checked.signature,
             payload,
