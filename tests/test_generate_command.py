@@ -50,7 +50,7 @@ def json_lines(text):
 
 
 @pytest.mark.realmodel
-@pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.parametrize("nprocs", [1, 2, 3])
 def test_chat_keeps_the_cache_and_equals_one_process_turn_by_turn(nprocs):
     """Three turns: each turn's ids are one process's greedy decode of the whole conversation."""
     _, tokenizer = smollm2()
@@ -82,8 +82,9 @@ def test_chat_keeps_the_cache_and_equals_one_process_turn_by_turn(nprocs):
 
 
 @pytest.mark.realmodel
-def test_a_batch_of_prompts_equals_one_process_per_prompt(tmp_path):
-    """--prompts/--output at 2 ranks: answers in input order, each one process's greedy decode."""
+@pytest.mark.parametrize("nprocs", [1, 2, 3])
+def test_a_batch_of_prompts_equals_one_process_per_prompt(tmp_path, nprocs):
+    """--prompts/--output: answers in input order, each one process's greedy decode."""
     _, tokenizer = smollm2()
     requests = [
         {"prompt": "What is MPI?", "id": "mpi"},
@@ -94,7 +95,7 @@ def test_a_batch_of_prompts_equals_one_process_per_prompt(tmp_path):
     path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in requests) + "\n\n")
     cmd = [*GENERATE, "--prompts", str(path), "--output", str(out), "--max-new-tokens", "6"]
-    res = run(2, cmd, timeout=300)
+    res = run(nprocs, cmd, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     answers = json_lines(out.read_text())
     assert [a["id"] for a in answers] == ["mpi", 1, 7, 3]
@@ -108,7 +109,8 @@ def test_a_batch_of_prompts_equals_one_process_per_prompt(tmp_path):
 
 
 @pytest.mark.realmodel
-def test_stdin_prompt_system_and_stop_strings_at_three_ranks():
+@pytest.mark.parametrize("nprocs", [1, 3])
+def test_stdin_prompt_system_and_stop_strings(nprocs):
     """--prompt-file - (stdin), --system, --stop twice, --check: the text ends before the stop."""
     _, tokenizer = smollm2()
     system, question = "You answer briefly.", "What is the capital of France?"
@@ -118,7 +120,7 @@ def test_stdin_prompt_system_and_stop_strings_at_three_ranks():
     stop = f" {words[2]}"  # the answer's third word ends it
     cmd = [*GENERATE, "--prompt-file", "-", "--system", system, "--max-new-tokens", "16"]
     cmd += ["--stop", "never seen", "--stop", stop, "--check"]
-    res = run(3, cmd, input=question, timeout=300)
+    res = run(nprocs, cmd, input=question, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     answer = res.stdout.split("\nmpitree generate:")[0]
     assert answer.rstrip("\n") == " ".join(words[:2])
