@@ -32,6 +32,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without flash-at
 from mpitree import extend
 from mpitree._namespace import namespace
 from mpitree._options import dtype_name
+from mpitree._registry import needs_kv
 
 __all__ = ["local_state", "records_from_lse", "tree_decode"]
 
@@ -176,8 +177,8 @@ def tree_decode(
         opts = extend.Options.resolve(
             problem.head_dim, strategy, softmax_scale, deterministic=deterministic
         )
-        if opts.strategy == "ring":
-            raise ValueError("the flash-attn adapter cannot run strategy='ring'")
+        if needs_kv(opts.strategy):
+            raise ValueError(f"the flash-attn adapter cannot run strategy={opts.strategy!r}")
         sig = {**problem.signature(), **opts.signature()}
         merge = (problem.rows, problem.head_dim, "float32", opts)
         return extend.Call(sig, (problem, opts), merge=merge)

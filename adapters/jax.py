@@ -62,13 +62,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without JAX
 
 from mpitree import extend
 from mpitree._options import dtype_name
+from mpitree._registry import merging_names, needs_kv
 
 from . import _jax_ffi
 
 __all__ = ["free_energy", "tree_decode"]
 
 LOCAL_ENV = "MPITREE_JAX_LOCAL"  # "kernel" (default): the C kernel for float32; "xla": XLA's
-MERGING = ("auto", "allreduce", "allreduce3", "allgather", "hierarchical")
 FORWARD, FORWARD_GRAD = "forward", "forward, then backward (jax.grad)"  # the forward's phases
 
 
@@ -487,10 +487,10 @@ def _attend(comm, inputs, prepare, masking, strategy):
         problem, t = _check_qkv(q, k, v)
         lens, vis = _visibility(problem, t, **masking)
         opts = extend.Options.resolve(problem.head_dim, strategy, scale)
-        if opts.strategy not in MERGING:
+        if needs_kv(opts.strategy):
             raise ValueError(
                 f"strategy {opts.strategy!r} moves K/V between ranks; the JAX adapter merges "
-                f"states: use one of {MERGING}"
+                f"states: use one of {merging_names()}"
             )
     except Exception as exc:  # the verdict rides in the agreement, on every rank
         return _failed(_Step(comm, error=exc), inputs[0])

@@ -9,18 +9,19 @@ from collections import OrderedDict
 
 from ._guard import Call
 from ._options import NODE_SIZE_ENV
+from ._registry import needs_kv
 from ._step import KernelSlot
 
 
 def _options_key(strategy, scale, deterministic, node_size):
     """Return a key that determines a one-shot call's resolved options exactly, or None.
 
-    None (options resolved afresh) for anything but a ``str`` strategy other than
-    the ring, ``scale`` None or a nonzero ``float`` (``-0.0 == 0.0``),
+    None (options resolved afresh) for anything but a ``str`` strategy that merges
+    records alone (not the ring), ``scale`` None or a nonzero ``float`` (``-0.0 == 0.0``),
     ``deterministic`` True or False and ``node_size`` None or an ``int``; with
     ``node_size=None`` the key holds ``MPITREE_NODE_SIZE``, which it then reads.
     """
-    if type(strategy) is not str or strategy == "ring":
+    if type(strategy) is not str or needs_kv(strategy):
         return None
     if not (deterministic is False or deterministic is True):
         return None

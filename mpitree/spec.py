@@ -29,6 +29,7 @@ from ._agreed import agree_merger
 from ._checks import check_qkv
 from ._guard import Call, check_comm, entry_point
 from ._namespace import Array, is_array, namespace
+from ._registry import needs_kv
 from ._state import State, combine_records, finish
 from ._step import prepare_attention
 
@@ -296,8 +297,8 @@ def verify_attention(
         problem, opts, context, sig = prepare_attention(
             q, k_context, v_context, kv_len, None, None, None, opts
         )
-        if opts.strategy == "ring":
-            raise ValueError("verify_attention cannot run strategy='ring'")
+        if needs_kv(opts.strategy):
+            raise ValueError(f"verify_attention cannot run strategy={opts.strategy!r}")
         ns, tree_problem, length = check_qkv(q, k_tree, v_tree, names=("q", "k_tree", "v_tree"))
         if tree_problem != problem or length != problem.q_len:
             raise ValueError(

@@ -1,6 +1,6 @@
 """Run the whole suite: serial tests, then each rank count under real mpiexec ranks.
 
-    python tests/run.py [--nprocs 2,3,4] [--leg-timeout 900] [pytest args...]
+    python tests/run.py [--nprocs 2,3,4] [--leg-timeout SECONDS] [pytest args...]
 
 Each leg runs ``pytest -m parallel[N]`` on N ranks (mpi-pytest's non-forking
 mode) with a wall-clock limit, every rank writing its own JUnit XML, so a test
@@ -102,13 +102,20 @@ def run_leg(n, extra, outdir, timeout):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", default="1,2,3,4", help="comma-separated rank counts")
-    parser.add_argument("--leg-timeout", type=int, default=900)
+    parser.add_argument(
+        "--leg-timeout",
+        type=int,
+        default=None,
+        help="seconds per leg (default: 3600 for one rank, which runs the real model's and the "
+        "docs' programs, 900 for the others)",
+    )
     args, extra = parser.parse_known_args()
     totals = dict.fromkeys(("passed", "failed", "skipped", "unexpected skip"), 0)
     problems, skips, hints = [], [], set()
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.nprocs.split(",")):
-            merged, problem = run_leg(n, extra, Path(tmp), args.leg_timeout)
+            limit = args.leg_timeout or (3600 if n == 1 else 900)
+            merged, problem = run_leg(n, extra, Path(tmp), limit)
             for tid, (outcome, msg) in sorted(merged.items()):
                 totals[outcome] += 1
                 if outcome == "failed":

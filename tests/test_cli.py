@@ -85,7 +85,7 @@ def test_plot_without_matplotlib_fails_before_any_work(tmp_path):
         timeout=60,
     )
     assert res.returncode == 2, res.stdout + res.stderr
-    assert res.stderr.count("pip install -e '.[bench]'") == 2  # every rank says why
+    assert res.stderr.count("pip install -e '.[bench]'") == 1  # rank 0 says why, once
     assert "pip install matplotlib" in res.stderr
     assert "bench [" not in res.stderr and res.stdout == "" and not figure.exists()
 
@@ -124,10 +124,34 @@ def test_bench_tables_fit_in_100_columns():
 
 
 def test_bench_refuses_no_or_unknown_workloads_before_any_work():
-    for given, says in (("", "no workload given"), (",", "no workload given"), ("x", "['x']")):
+    for given, says in (("", "none given"), (",", "none given"), ("x", "['x']")):
         res = serial(["-m", "mpitree", "bench", "--quick", "--workloads", given])
         assert res.returncode != 0 and says in res.stderr, (given, res.stderr[-500:])
         assert "llama3-70b" in res.stderr and "Traceback" not in res.stderr
+
+
+BAD_ARGUMENTS = {  # arguments every rank refuses before any work; rank 0 says why, once
+    ("demo", "--steps", "0"): "--steps: must be at least 1, got 0",
+    ("demo", "--q-heads", "3", "--kv-heads", "2"): "must be a multiple of --kv-heads",
+    ("demo", "--head-dim", "0"): "--head-dim: must be at least 1",
+    ("merge", "--rows", "-1"): "--rows: must be at least 1",
+    ("merge", "--iters", "0"): "--iters: must be at least 1",
+    ("model", "--ranks", "0"): "--ranks: must be at least 1",
+    ("model", "--calibrate", "/nonexistent.json"): "no such file",
+    ("bench", "--tokens", "0"): "--tokens: must be at least 1",
+    ("bench", "--workloads", "nosuch"): "unknown ['nosuch']",
+}
+
+
+@pytest.mark.parametrize("args", list(BAD_ARGUMENTS), ids=" ".join)
+def test_bad_arguments_fail_once_on_every_rank_before_any_work(args):
+    """Each rank exits 2 (no hang, no traceback); the error and usage print once."""
+    res = run(2, [PY, "-c", EXIT_PER_RANK, *args], timeout=60)
+    output = res.stdout + res.stderr
+    assert res.returncode == 2, output
+    assert res.stderr.count(BAD_ARGUMENTS[args]) == 1, output
+    assert res.stderr.count(f"python -m mpitree {args[0]}: error:") == 1, output
+    assert "Traceback" not in output and "exits" not in res.stdout, output
 
 
 def test_model_warns_when_extrapolating_a_calibration(tmp_path):

@@ -130,6 +130,19 @@ def test_register_refuses_bad_declarations():
     for summary in ("", "two\nlines"):
         with pytest.raises(ValueError, match="summary"):
             register(type("Bad", (Base,), {"name": "bad", "summary": summary}))
+    refused = {  # what a list reads, declared so that the list would break
+        "a name of at most": {"name": "a_name_of_thirteen"},
+        "needs_kv must be": {"needs_kv": "no"},
+        "buffers": {"buffers": ("host", "disk")},
+        "short .or the name. must be": {"short": "eleven-wide"},
+        "label must be a str": {"label": "gather {node} then merge"},
+        "label must be at most": {"label": "x" * 35},
+        "auto_priority must be": {"auto_priority": True},
+        "cannot be picked by 'auto'": {"needs_kv": True, "auto_priority": -1},
+    }
+    for says, fields in refused.items():
+        with pytest.raises(ValueError, match=says):
+            register(type("Bad", (Base,), {"name": "bad", **fields}))
     assert tuple(REGISTRY) == TODAY
 
 

@@ -17,6 +17,7 @@ from mpitree._kernel import BoundLayer
 from mpitree._merger import Merger
 from mpitree._namespace import namespace
 from mpitree._options import acc_name, dtype_name
+from mpitree._registry import needs_kv
 from mpitree._step import Attention, KernelSlot
 from mpitree._traffic import hook as phase_hook
 
@@ -587,10 +588,6 @@ def _shard_visible(mask, view, rows):
     return _causal_recipe(mask, view, rows) or _unless_all(_view_visible(mask, view, rows))
 
 
-# strategies whose merge needs only the filled records ("ring" asks for the shard itself)
-RECORD_STRATEGIES = ("allreduce", "allreduce3", "allgather", "hierarchical")
-
-
 class StepFast:
     """What a step's layers share on the one-call path: the mask, the shard and its visibility.
 
@@ -692,7 +689,7 @@ def _bind(view, query, key, value, scaling, signature, agreed):
         or view.sharded
         or signature is not agreed.signature
         or not isinstance(merger, Merger)
-        or merger.strategy not in RECORD_STRATEGIES
+        or needs_kv(merger.strategy)  # it asks for the shard itself, not filled records
         or torch.is_grad_enabled()
         or not all(x.dtype == torch.float32 and x.device.type == "cpu" for x in (query, key, value))
         or any(x.is_neg() for x in (query, key, value))

@@ -76,12 +76,18 @@ def main(argv=None):
     """Parse the command line and run the chosen subcommand; return the exit code."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    command = parser.commands[args.command]
     if unknown:  # the subcommand's usage, not the top level's
-        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+    problem = getattr(COMMANDS[args.command][0], "problem", None)
+    message = problem(args) if problem is not None else None
+    if message:  # arguments that are wrong together: every rank stops here, rank 0 says why
+        command.error(message)
     if args.command == "bench" and args.plot:
         # before any work, and agreed: if one rank cannot plot, every rank stops
         if default_comm().allreduce(not bench_cli.matplotlib_importable(), op=MPI.LOR):
-            print(f"python -m mpitree bench: error: {PLOT_HINT}", file=sys.stderr)
+            if default_comm().Get_rank() == 0:
+                print(f"python -m mpitree bench: error: {PLOT_HINT}", file=sys.stderr)
             return 2
     if args.command == "demo":
         return 1 if demo_cli.run(args) else 0

@@ -17,6 +17,7 @@ from .._op import native_op_available
 from .._runtime import default_comm, limit_blas_threads, ranks_on_node
 from .._strategies import REGISTRY
 from .._traffic import traffic
+from ._args import count, counts, names
 from ._display import NOISE, NOISE_NOTE, overhead, progress
 
 WORKLOADS = {
@@ -36,24 +37,28 @@ def add_arguments(parser):
     """Register the benchmark's options."""
     parser.add_argument(
         "--workloads",
-        default=",".join(DEFAULT_WORKLOADS),
+        type=names(tuple(WORKLOADS)),
+        default=DEFAULT_WORKLOADS,
         help=f"comma-separated, from {', '.join(WORKLOADS)}",
     )
     parser.add_argument(
         "--tokens",
+        type=counts(1),
         default=None,
         help=f"comma-separated sequence lengths N (default: {DEFAULT_TOKENS}; "
         f"{QUICK_TOKENS} with --quick)",
     )
-    parser.add_argument("--batch", type=int, default=1, help="batch size B")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per method")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per method")
+    parser.add_argument("--batch", type=count(1), default=1, help="batch size B")
+    parser.add_argument("--steps", type=count(1), default=10, help="timed steps per method")
+    parser.add_argument(
+        "--warmup", type=count(0), default=2, help="untimed warm-up steps per method"
+    )
     parser.add_argument(
         "--quick", action="store_true", help=f"small run: N = {QUICK_TOKENS}, 3 steps, 1 warm-up"
     )
     parser.add_argument(
         "--node-size",
-        type=int,
+        type=count(0),
         default=0,
         help="virtual node size for the hierarchical strategy (0: real nodes)",
     )
@@ -411,16 +416,10 @@ def run(args):
     """Run every (workload, N) cell; rank 0 reports."""
     comm = default_comm()
     rank = comm.Get_rank()
-    workloads = list(dict.fromkeys(w.strip() for w in args.workloads.split(",") if w.strip()))
-    unknown = [w for w in workloads if w not in WORKLOADS]
-    if unknown or not workloads:
-        what = f"unknown workload(s) {unknown}" if unknown else "no workload given"
-        raise SystemExit(f"{what}; choose from {list(WORKLOADS)}")
+    workloads = list(args.workloads)
     if args.quick:
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
-    tokens = [
-        int(x) for x in (args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)).split(",")
-    ]
+    tokens = list(args.tokens or counts(1)(QUICK_TOKENS if args.quick else DEFAULT_TOKENS))
     limit_blas_threads()  # what every plan applies; report the threads the run really uses
     env = environment(comm)
     cells, total = [], len(workloads) * len(tokens)

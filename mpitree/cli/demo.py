@@ -14,6 +14,7 @@ from .._op import native_op_available
 from .._reference import reference_attention
 from .._runtime import default_comm
 from .._strategies import REGISTRY
+from ._args import count
 from ._display import NOISE, NOISE_NOTE, overhead, progress
 
 # Max |out - float64 reference| allowed by default: the test suite's bounds (tests/helpers.py).
@@ -40,22 +41,29 @@ def make_shard(args, rank, size):
     return k, v
 
 
+def problem(args):
+    """Return what is wrong with the arguments taken together, or None."""
+    if args.q_heads % args.kv_heads:
+        return f"--q-heads ({args.q_heads}) must be a multiple of --kv-heads ({args.kv_heads})"
+    return None
+
+
 def add_arguments(parser):
     """Register the demo's command-line options."""
-    parser.add_argument("--tokens", type=int, default=65536, help="total context length N")
-    parser.add_argument("--batch", type=int, default=1, help="batch size B")
-    parser.add_argument("--q-heads", type=int, default=32, help="query heads Hq")
-    parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads Hkv")
-    parser.add_argument("--head-dim", type=int, default=128, help="head dimension D")
-    parser.add_argument("--q-len", type=int, default=1, help="query tokens per step")
+    parser.add_argument("--tokens", type=count(1), default=65536, help="total context length N")
+    parser.add_argument("--batch", type=count(1), default=1, help="batch size B")
+    parser.add_argument("--q-heads", type=count(1), default=32, help="query heads Hq")
+    parser.add_argument("--kv-heads", type=count(1), default=8, help="key/value heads Hkv")
+    parser.add_argument("--head-dim", type=count(1), default=128, help="head dimension D")
+    parser.add_argument("--q-len", type=count(1), default=1, help="query tokens per step")
     parser.add_argument(
         "--dtype",
         default="float32",
         choices=list(DEFAULT_TOLERANCE),
         help="dtype of Q, K and V",
     )
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per strategy")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps")
+    parser.add_argument("--steps", type=count(1), default=20, help="timed steps per strategy")
+    parser.add_argument("--warmup", type=count(0), default=3, help="untimed warm-up steps")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic Q, K and V")
     parser.add_argument(
         "--tolerance",

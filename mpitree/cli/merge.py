@@ -9,17 +9,18 @@ from .._merger import Merger
 from .._op import native_op_available, python_op
 from .._runtime import default_comm
 from .._strategies import REGISTRY
+from ._args import count
 
 
 def add_arguments(parser):
     """Register the merge benchmark's options."""
-    parser.add_argument("--rows", type=int, default=32, help="(batch, head, query) rows")
-    parser.add_argument("--head-dim", type=int, default=128, help="head dimension D")
-    parser.add_argument("--iters", type=int, default=2000, help="timed merges per method")
-    parser.add_argument("--warmup", type=int, default=200, help="untimed warm-up merges")
+    parser.add_argument("--rows", type=count(1), default=32, help="(batch, head, query) rows")
+    parser.add_argument("--head-dim", type=count(1), default=128, help="head dimension D")
+    parser.add_argument("--iters", type=count(1), default=2000, help="timed merges per method")
+    parser.add_argument("--warmup", type=count(0), default=200, help="untimed warm-up merges")
     parser.add_argument(
         "--node-size",
-        type=int,
+        type=count(0),
         default=2,
         help="virtual node size for the hierarchical strategy (0: real nodes)",
     )

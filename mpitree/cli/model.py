@@ -1,11 +1,20 @@
 """``python -m mpitree model``: predicted step times per strategy from the cost model."""
 
 import json
+import os
 import sys
 
 from .. import model
+from ._args import count, counts
 
 EXTRAPOLATION = 2  # warn for a requested point this many times beyond the calibrated range
+
+
+def problem(args):
+    """Return what is wrong with the arguments taken together, or None."""
+    if args.calibrate is not None and not os.path.isfile(args.calibrate):
+        return f"--calibrate: no such file: {args.calibrate}"
+    return None
 
 
 def add_arguments(parser):
@@ -26,13 +35,16 @@ def add_arguments(parser):
     )
     parser.add_argument(
         "--kv-itemsize",
-        type=int,
+        type=count(1),
         default=None,
         help="bytes per K/V element (default: 2, bf16; 4 with --calibrate)",
     )
-    parser.add_argument("--ranks", default="8", help="comma-separated rank counts")
+    parser.add_argument("--ranks", type=counts(1), default=(8,), help="comma-separated rank counts")
     parser.add_argument(
-        "--tokens", default="32768,65536,131072,262144", help="comma-separated sequence lengths"
+        "--tokens",
+        type=counts(1),
+        default=(32768, 65536, 131072, 262144),
+        help="comma-separated sequence lengths",
     )
 
 
@@ -54,8 +66,7 @@ def warn_extrapolation(bench, path, ranks, tokens):
 
 def run(args):
     """Print one table row per (ranks, tokens)."""
-    ranks = [int(x) for x in args.ranks.split(",")]
-    tokens = [int(x) for x in args.tokens.split(",")]
+    ranks, tokens = list(args.ranks), list(args.tokens)
     if args.calibrate:
         with open(args.calibrate) as f:
             bench = json.load(f)
