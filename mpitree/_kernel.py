@@ -447,7 +447,7 @@ class BoundLayer:
     ----------
     call : StepArgs
         The bound ``mpitree_step`` struct.
-    merger : mpitree.extend.Merger or None
+    merger : mpitree._merger.Merger or None
         The merge bound by :meth:`bind_merge`.
     step : callable
         ``step(out) -> int``: run the kernel, the bound merge and, unless a rank
@@ -519,7 +519,7 @@ class BoundLayer:
 
         Parameters
         ----------
-        merger : mpitree.extend.Merger
+        merger : mpitree._merger.Merger
             The merger whose records this layer was bound to; kept in ``merger``.
         collective : tuple
             ``(finalized, start, wait, request, flag)``: the addresses of

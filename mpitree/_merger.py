@@ -118,7 +118,7 @@ class Merger:
 
         Parameters
         ----------
-        bound : mpitree.extend.BoundLayer
+        bound : mpitree._kernel.BoundLayer
             Bound to this merger's records.
 
         Returns
@@ -141,7 +141,7 @@ class Merger:
 
         Parameters
         ----------
-        bound : mpitree.extend.BoundLayer
+        bound : mpitree._kernel.BoundLayer
             Bound to this merger's records; its step cannot fail locally, so this
             rank's flag is clear. Bound by :meth:`bind_layer`, it runs in one
             call; otherwise its kernel runs inside :meth:`merge`, then it finishes.

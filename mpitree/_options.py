@@ -38,11 +38,6 @@ def acc_name(dtype) -> str:
     return "float64" if dtype_name(dtype) == "float64" else "float32"
 
 
-def acc_dtype(dtype) -> np.dtype:
-    """Return :func:`acc_name` as a numpy dtype."""
-    return np.dtype(acc_name(dtype))
-
-
 def __getattr__(name):
     """``STRATEGIES``: :func:`~mpitree._registry.strategy_names`, read from the registry."""
     if name == "STRATEGIES":

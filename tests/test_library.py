@@ -7,6 +7,7 @@ side only fails here, not as a misread struct at run time.
 """
 
 import ctypes
+import math
 import os
 import re
 import shlex
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from mpitree import _library
+from mpitree import _library, _state
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = ROOT / "mpitree" / "_native.h"
@@ -64,7 +65,8 @@ def compiled(tmp_path_factory):
     cc, flags = compile_flags()
     if shutil.which(cc[0]) is None:  # CI has gcc, and fails on any skip
         pytest.skip(f"no C compiler ({cc[0]}) to check _native.h's layouts with")
-    lines = ["#include <stddef.h>", "#include <stdio.h>", '#include "_native.h"']
+    lines = ["#include <math.h>", "#include <stddef.h>", "#include <stdio.h>"]
+    lines.append('#include "_native.h"')
     lines.append("int main(void)\n{")
     for c_name, struct in STRUCTS.items():
         lines.append(f'    printf("size {c_name} %zu\\n", sizeof({c_name}));')
@@ -77,6 +79,9 @@ def compiled(tmp_path_factory):
         for member in header_enum(c_name):
             lines.append(f'    printf("enum {c_name} {member} %d\\n", (int){member});')
     lines.append('    printf("define MPITREE_STATUS_WORDS %d\\n", MPITREE_STATUS_WORDS);')
+    for macro in ("MPITREE_REC_M", "MPITREE_REC_D", "MPITREE_REC_N", "MPITREE_REC_WIDTH(7)"):
+        lines.append(f'    printf("define {macro} %d\\n", (int)({macro}));')
+    lines.append('    printf("define MPITREE_FLAG_CLEAR %d\\n", MPITREE_FLAG_CLEAR == -INFINITY);')
     lines.append("    return 0;\n}\n")
     work = tmp_path_factory.mktemp("layouts")
     (work / "layouts.c").write_text("\n".join(lines))
@@ -120,3 +125,12 @@ def test_enum_mirror_matches_the_header(compiled, c_name):
 def test_status_room_matches_the_header(compiled):
     """The int64 words of room for one MPI_Status."""
     assert compiled[("define", "MPITREE_STATUS_WORDS")] == (_library.STATUS_WORDS,)
+
+
+def test_record_layout_matches_the_python_definition(compiled):
+    """The C record layout macros are _state.py's: m, d, n offsets, width, the clear flag."""
+    assert compiled[("define", "MPITREE_REC_M")] == (_state.M,)
+    assert compiled[("define", "MPITREE_REC_D")] == (_state.D,)
+    assert compiled[("define", "MPITREE_REC_N")] == (_state.N.start,)
+    assert compiled[("define", "MPITREE_REC_WIDTH(7)")] == (_state.width(7),)
+    assert compiled[("define", "MPITREE_FLAG_CLEAR")] == (1,) and _state.FLAG_CLEAR == -math.inf

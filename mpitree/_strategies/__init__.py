@@ -11,10 +11,10 @@ import importlib
 import pkgutil
 from abc import ABC, abstractmethod
 
-import numpy as np
 from mpi4py import MPI
 
 from .._registry import AUTO, REGISTRY, register
+from .._state import FLAG_CLEAR, FLAG_FAILED, WEIGHTED, M
 from .._topology import layout
 
 __all__ = [
@@ -126,13 +126,13 @@ def free_requests(requests):
 
 def set_flag(buf, failed):
     """Write this rank's failure flag into the last record."""
-    buf[-1, 0] = 1 if failed else -np.inf
-    buf[-1, 1:] = 0
+    buf[-1, M] = FLAG_FAILED if failed else FLAG_CLEAR
+    buf[-1, WEIGHTED] = 0
 
 
 def flagged(buf):
     """Whether the merged flag record says some rank failed."""
-    return float(buf[-1, 0]) != -np.inf
+    return float(buf[-1, M]) != FLAG_CLEAR
 
 
 def op_needed(strategy, deterministic, acc, head_dim):
