@@ -16,13 +16,14 @@ BATCH_KEYS = ("prompt", "id", "system", "max_new_tokens")
 
 def _read(path, what):
     """Return the text of ``path`` (``-``: stdin) and its name for messages."""
-    if path == "-":
-        return sys.stdin.read(), "stdin"
-    try:
-        return Path(path).read_text(), path
+    name = "stdin" if path == "-" else path
+    try:  # UTF-8, strictly: stdin's own decoding may let invalid bytes through as surrogates
+        if path == "-":
+            return sys.stdin.buffer.read().decode("utf-8"), name
+        return Path(path).read_text(encoding="utf-8"), name
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else str(exc)
-        raise ValueError(f"cannot read the {what} {path}: {reason}") from None
+        raise ValueError(f"cannot read the {what} {name}: {reason}") from None
 
 
 def read_prompt(path):
