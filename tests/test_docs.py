@@ -119,8 +119,11 @@ OUTPUTS = {
 
 
 def _marks(block):
-    """The pytest markers of a block's flags."""
-    return [getattr(pytest.mark, flag) for flag in block.flags if flag in FLAGS]
+    """The pytest markers of a block's flags (its ``timeout``: pytest's limit too)."""
+    marks = [getattr(pytest.mark, flag) for flag in block.flags if flag in FLAGS]
+    if block.flags.get("timeout"):
+        marks.append(pytest.mark.timeout(int(block.flags["timeout"]) + 60))
+    return marks
 
 
 def _params(kinds):
