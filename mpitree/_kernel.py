@@ -507,7 +507,7 @@ class BoundLayer:
         """
         observer = hook.observer
         if observer is not None and observer.enter("kernel"):
-            return observer.timed("kernel", self.fill, records)
+            return observer.timed("kernel", self._attend, self._ref)
         self._attend(self._ref)
 
     def finish(self, out):
