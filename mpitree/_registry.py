@@ -61,11 +61,11 @@ def _check_lists(cls, name):
     if not isinstance(short, str) or len(short or name) > 10:
         raise ValueError(f"strategy {name!r}: short (or the name) must be at most 10 characters")
     try:
-        shown = (label or name).format(nodes="real") if isinstance(label, str) else None
+        shown = (label or name).format(nodes="real", op="native") if isinstance(label, str) else None
     except Exception:
         shown = None
     if shown is None:
-        raise ValueError(f"strategy {name!r}: label must be a str naming only {{nodes}}")
+        raise ValueError(f"strategy {name!r}: label must be a str naming only {{nodes}}, {{op}}")
     if len(shown) > 34:
         raise ValueError(f"strategy {name!r}: label must be at most 34 characters (merge's)")
     priority = getattr(cls, "auto_priority", None)

@@ -228,6 +228,17 @@ def test_merge_runs_clean_on_several_ranks(n):
     assert rows == MERGE_ROWS, res.stdout
 
 
+def test_merge_names_the_op_it_runs():
+    """Without the native op (``MPITREE_NATIVE_OP=0``), merge's op rows say numpy, not native."""
+    args = [PY, "-m", "mpitree", "merge", "--iters", "3", "--warmup", "1", "--rows", "4"]
+    res = run(2, args, env={"MPITREE_NATIVE_OP": "0"}, timeout=60)
+    assert_clean(res, "merge without the native op")
+    assert "native op: False" in res.stdout.splitlines()[0], res.stdout
+    rows = [line[:34].rstrip() for line in res.stdout.splitlines()[2:-1]]
+    want = [row.replace("native op", "numpy op") for row in MERGE_ROWS]
+    assert rows == want, res.stdout
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_every_subcommand_runs_clean(n):
     """demo, bench, model and merge, each launched as a user would, at 1 to 4 ranks."""

@@ -111,7 +111,7 @@ def test_every_strategy_declares_what_the_lists_need(name):
     assert issubclass(cls, Strategy) and cls.name == name
     assert cls.summary and "\n" not in cls.summary
     assert len(cls.short or name) <= 10  # bench's columns are 11 wide
-    assert len((cls.label or name).format(nodes="real")) <= 34  # merge's first column
+    assert len((cls.label or name).format(nodes="real", op="native")) <= 34  # merge's first column
     flags = (cls.needs_kv, cls.uses_op, cls.persistent, cls.reproducible, cls.modelled)
     assert all(type(flag) is bool for flag in flags)
     assert cls.buffers and set(cls.buffers) <= {"host", "pinned", "device"}

@@ -25,7 +25,7 @@ class Allreduce(Strategy):
     name = "allreduce"
     order = 0
     summary = "one MPI_Allreduce of the records with the native (m, d, n) user op"
-    label = "allreduce, native op"
+    label = "allreduce, {op} op"
     uses_op = True
     persistent = True
     auto_priority = 1

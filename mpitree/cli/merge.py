@@ -30,10 +30,12 @@ def merged(node_size):
     """Return ``(name, row label)`` of every strategy that merges records, in registry order.
 
     A strategy that moves keys and values (``needs_kv``) has no records-only merge to time.
+    A label's ``{op}`` names the user op the merge runs: ``native`` or ``numpy``.
     """
     nodes = node_size or "real"
+    op = "native" if native_op_available() else "numpy"
     return [
-        (name, (cls.label or name).format(nodes=nodes))
+        (name, (cls.label or name).format(nodes=nodes, op=op))
         for name, cls in REGISTRY.items()
         if not cls.needs_kv
     ]
