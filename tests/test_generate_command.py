@@ -52,6 +52,15 @@ def json_lines(text):
 
 
 @pytest.mark.realmodel
+def test_chat_without_a_turn_says_so():
+    """A chat whose stdin holds no turn (an empty first line) says so, and exits 0."""
+    res = run(1, [*GENERATE, "--chat", "--max-new-tokens", "4"], input="\n", timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "--chat: no turn read from stdin" in res.stderr, res.stderr
+    assert "tokens/s" not in res.stdout, res.stdout  # nothing was decoded
+
+
+@pytest.mark.realmodel
 @pytest.mark.parametrize("nprocs", [1, 2, 3])
 def test_chat_keeps_the_cache_and_equals_one_process_turn_by_turn(nprocs):
     """Three turns: each turn's ids are one process's greedy decode of the whole conversation."""
