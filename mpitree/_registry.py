@@ -61,8 +61,8 @@ def _check_lists(cls, name):
     if not isinstance(short, str) or len(short or name) > 10:
         raise ValueError(f"strategy {name!r}: short (or the name) must be at most 10 characters")
     try:
-        shown = (label or name).format(nodes="real", op="native") if isinstance(label, str) else None
-    except Exception:
+        shown = (label or name).format(nodes="real", op="native")
+    except Exception:  # not a str, or a field other than {nodes}, {op}
         shown = None
     if shown is None:
         raise ValueError(f"strategy {name!r}: label must be a str naming only {{nodes}}, {{op}}")

@@ -89,8 +89,8 @@ def chat(args, session, notes, first, show):
         header(args, comm)
         figures(answer)
     if show and answer is None:  # stdin ended (or began with an empty line) before a turn
-        print("python -m mpitree generate: --chat: no turn read from stdin (a turn is a "
-              "line; an empty line or the end of stdin ends the chat)", file=sys.stderr)  # fmt: skip
+        print("python -m mpitree generate: --chat: no turn read from stdin (a turn is "
+              "a line; an empty line or stdin's end ends the chat)", file=sys.stderr)  # fmt: skip
     return 0 if ok else 1
 
 
