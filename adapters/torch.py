@@ -32,7 +32,7 @@ import os
 from ._hint import missing
 
 try:
-    import torch  # noqa: F401  (the adapter needs it; the core never imports it)
+    import torch  # the adapter needs it; the core never imports it
 except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise missing("mpitree.adapters.torch", "torch", exc) from exc
 
@@ -89,6 +89,8 @@ def local_state(q, k, v, *, scale=None, kv_len=None, q_pos=None, k_pos=None, mas
         inputs), natural-log units. Excluded keys contribute exactly nothing. From
         the fused CUDA kernel they are ``[lse, 1, out]``: the same state (``n / d``
         and ``m + log d`` agree), though ``m`` is then not the row's max score.
+        With ``MPITREE_KERNEL=triton``, float16/bfloat16/float32 inputs' records
+        come from the Triton kernel.
     """
     ns, problem, t = check_qkv(q, k, v)
     if ns.name != "torch":
@@ -96,6 +98,12 @@ def local_state(q, k, v, *, scale=None, kv_len=None, q_pos=None, k_pos=None, mas
     kv_len, q_pos, k_pos, mask = check_masking(ns, problem, t, kv_len, q_pos, k_pos, mask)
     scale = extend.Options.resolve(problem.head_dim, scale=scale).scale
     lens, vis = visibility(ns, problem.batch, problem.q_len, t, kv_len, q_pos, k_pos, mask)
+    kernel = _triton()
+    if kernel is not None and problem.acc == "float32":  # MPITREE_KERNEL=triton
+        shape = (*problem.row_shape, problem.head_dim + 2)
+        out = torch.empty(shape, dtype=torch.float32, device=q.device)
+        kernel.decode_records(q.detach(), k.detach(), v.detach(), scale, lens, vis, out)
+        return out
     return state_records(ns, q, k, v, scale, lens, vis, problem.acc)
 
 

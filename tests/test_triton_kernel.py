@@ -27,6 +27,7 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from mpitree.adapters import _triton_decode as kernel  # noqa: E402  (after TRITON_INTERPRET)
+from mpitree.adapters import torch as adapter  # noqa: E402
 
 DEVICES = [pytest.param("cuda", marks=pytest.mark.cuda)] + ([] if CUDA else ["cpu"])
 # records: float32 accumulation over exactly rounded inputs, whatever their dtype;
@@ -92,7 +93,7 @@ def records_of(q, k, v, splits=None, **kw):
     return out.cpu().numpy()
 
 
-# one split and three; the other dtypes: as many splits as the kernel picks (3 here)
+# one split and three; the other dtypes: as many splits as the kernel picks
 SPLITS = [("float32", 1), ("float32", 3), ("float16", None), ("bfloat16", None)]
 
 
@@ -115,7 +116,7 @@ def test_records_match_reference(device, dtype_name, splits, case):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_local_state_and_output_through_selection(device, dtype_name, triton_selected):
-    """mpitree.local_state and tree_decode (one rank) run the kernel; the finish is exact."""
+    """local_state (the core's, the adapter's) and tree_decode run it; the finish is exact."""
     dtype, tol = DTYPES[dtype_name]
     prob = rounded(make_problem(12, [50], q_len=2, mask="head", kv_len=True), dtype)
     q, k, v, kw = tensors(prob, dtype, device)
@@ -123,10 +124,13 @@ def test_local_state_and_output_through_selection(device, dtype_name, triton_sel
     assert triton_selected == {"records": 1, "output": 0}
     again = mpitree.local_state(q, k, v, **kw)
     assert state.records.tobytes() == again.records.tobytes()  # the same bits, run after run
+    on_device = adapter.local_state(q, k, v, **kw)  # the records as a tensor on q's device
+    assert on_device.device.type == device
+    assert on_device.cpu().numpy().tobytes() == state.records.tobytes()
     ref, _ = prob.reference()
     assert_allclose(state.output().astype(np.float64), ref, atol=RECORDS_ATOL, rtol=0)
     out = mpitree.tree_decode(q, k, v, **kw)
-    assert triton_selected == {"records": 3, "output": 1}
+    assert triton_selected == {"records": 4, "output": 1}
     assert out.dtype == dtype and out.device.type == device
     assert_allclose(out.double().cpu().numpy(), ref, atol=tol, rtol=0)
     host = torch.from_numpy(output_of(state.records)).to(dtype)  # the host's finish, rounded
