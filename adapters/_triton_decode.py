@@ -39,7 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without triton
 
 __all__ = ["decode_records", "finish_output", "interpreted"]
 
-INF = float("inf")
+INF = tl.constexpr(float("inf"))  # a kernel reads only constexpr globals
 
 
 @triton.jit
@@ -240,7 +240,7 @@ def decode_records(q, k, v, scale, lens, vis, out, splits=None):
     b, hq, sq, dim = (int(x) for x in q.shape)
     hkv, t = int(k.shape[1]), int(k.shape[2])
     if t == 0 or b * hq * sq == 0:
-        out[..., 0] = -INF
+        out[..., 0] = float("-inf")
         out[..., 1:] = 0
         return
     g = hq // hkv
