@@ -89,7 +89,7 @@ def _split_kernel(
             mp = vis + b * ms0 + h[:, None] * ms1 + s[:, None] * ms2 + t[None, :] * ms3
             keep = keep & (tl.load(mp, mask=keep, other=0) != 0)
         scores = tl.where(keep, scores, -INF)
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))  # a NaN score: NaN p, d and n, whatever m
         shift = tl.where(m_new == -INF, 0.0, m_new)
         alpha = tl.exp(m_i - shift)
         p = tl.exp(scores - shift[:, None])
@@ -117,8 +117,7 @@ def _split_kernel(
     base = out + split.to(tl.int64) * os_split + b * os0 + h * os1 + s * os2
     tl.store(base, m_i, mask=rows)
     tl.store(base + os3, l_i, mask=rows)
-    np_ = base[:, None] + (d[None, :] + 2) * os3
-    tl.store(np_, acc, mask=rows[:, None] & dims[None, :])
+    tl.store(base[:, None] + (d[None, :] + 2) * os3, acc, mask=rows[:, None] & dims[None, :])
 
 
 @triton.jit
