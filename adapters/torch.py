@@ -186,13 +186,14 @@ class CudaTorch(_namespace.Torch):
         out, lse = flash(folded, k, v, scale=scale)[:2]
         return out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq, 1)
 
-    def host_layout(self, x):
-        """:meth:`Torch.host_layout`, or None while ``MPITREE_KERNEL`` selects a kernel.
+    def on_host(self, x):
+        """:meth:`Torch.on_host`, and no kernel selected by ``MPITREE_KERNEL``.
 
-        None keeps a bound compiled kernel (``KernelSlot``) off the tensors: the
-        step then runs :meth:`kernel_records`.
+        What the compiled host kernel asks before it reads a tensor: False keeps it
+        (and a bound ``KernelSlot``) off the tensors, and the step runs
+        :meth:`kernel_records`.
         """
-        return None if _triton() is not None else super().host_layout(x)
+        return super().on_host(x) and _triton() is None
 
     def kernel_records(self, q, k, v, scale, lens, vis, out):
         """Write the Triton kernel's records into host records ``out`` where it is selected.
