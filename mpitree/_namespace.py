@@ -242,9 +242,10 @@ class Torch:
     """torch, on the tensors' device: the operations every device shares.
 
     The torch adapter's subclass (registered with :func:`register`) adds the
-    device paths: :meth:`fused_records` (torch's flash kernel on CUDA) and
-    :meth:`pinned_empty` (page-locked staging for CUDA); :func:`namespace` gives
-    every torch tensor that subclass.
+    device paths: :meth:`fused_records` (torch's flash kernel on CUDA),
+    :meth:`pinned_empty` (page-locked staging for CUDA), and the Triton kernel
+    ``MPITREE_KERNEL=triton`` selects (:meth:`kernel_records`,
+    :meth:`kernel_output`); :func:`namespace` gives every torch tensor that subclass.
     """
 
     name = "torch"
