@@ -15,6 +15,10 @@ HINTS = {
     "cupy": "CuPy: pip install -e '.[cupy]' from the checkout (needs a CUDA 12 GPU)",
     "flash_attn": "flash-attn: pip install -e '.[flash-attn]' from the checkout (needs a CUDA GPU)",
     "jax": "JAX: pip install -e '.[jax]' from the checkout (CPU jaxlib)",
+    "triton": (
+        "Triton: pip install -e '.[triton]' from the checkout (CPU tensors run under its "
+        "interpreter, TRITON_INTERPRET=1)"
+    ),
 }
 
 

@@ -15,6 +15,12 @@ float64 for float64; GQA without repeating K/V). CUDA records are staged
 through a pinned host buffer for the merge (MPI runs user-defined reductions
 on the host).
 
+``MPITREE_KERNEL=triton`` selects the fused Triton kernel (``_triton_decode``) for
+torch tensors on any device instead: float16, bfloat16 and float32 inputs, every
+mask, the records written straight into the merge's buffer (CPU tensors, under
+Triton's interpreter, ``TRITON_INTERPRET=1``) or staged from the device, and the
+output ``n / d`` finished by its own kernel on the device. Triton is imported only then.
+
 Importing this module imports torch; ``import mpitree`` never does.
 """
 
@@ -26,7 +32,7 @@ import os
 from ._hint import missing
 
 try:
-    import torch  # noqa: F401  (the adapter needs it; the core never imports it)
+    import torch  # the adapter needs it; the core never imports it
 except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise missing("mpitree.adapters.torch", "torch", exc) from exc
 
@@ -34,10 +40,14 @@ from mpitree import DecodePlan, _namespace, extend, tree_decode
 from mpitree._checks import check_masking, check_qkv
 from mpitree._local import state_records
 from mpitree._masks import visibility
+from mpitree._options import dtype_name
 
 __all__ = ["DecodePlan", "cuda_aware", "local_state", "tree_decode"]
 
 _CUDA_AWARE_ENV = "MPITREE_CUDA_AWARE"
+_KERNEL_ENV = "MPITREE_KERNEL"
+_KERNELS = ("", "triton")  # the values MPITREE_KERNEL may take ("": the default kernels)
+_TRITON_DTYPES = ("float16", "bfloat16", "float32")
 
 
 def cuda_aware():
@@ -79,6 +89,8 @@ def local_state(q, k, v, *, scale=None, kv_len=None, q_pos=None, k_pos=None, mas
         inputs), natural-log units. Excluded keys contribute exactly nothing. From
         the fused CUDA kernel they are ``[lse, 1, out]``: the same state (``n / d``
         and ``m + log d`` agree), though ``m`` is then not the row's max score.
+        With ``MPITREE_KERNEL=triton``, float16/bfloat16/float32 inputs' records
+        come from the Triton kernel.
     """
     ns, problem, t = check_qkv(q, k, v)
     if ns.name != "torch":
@@ -86,6 +98,12 @@ def local_state(q, k, v, *, scale=None, kv_len=None, q_pos=None, k_pos=None, mas
     kv_len, q_pos, k_pos, mask = check_masking(ns, problem, t, kv_len, q_pos, k_pos, mask)
     scale = extend.Options.resolve(problem.head_dim, scale=scale).scale
     lens, vis = visibility(ns, problem.batch, problem.q_len, t, kv_len, q_pos, k_pos, mask)
+    kernel = _triton()
+    if kernel is not None and problem.acc == "float32":  # MPITREE_KERNEL=triton
+        shape = (*problem.row_shape, problem.head_dim + 2)
+        out = torch.empty(shape, dtype=torch.float32, device=q.device)
+        kernel.decode_records(q.detach(), k.detach(), v.detach(), scale, lens, vis, out)
+        return out
     return state_records(ns, q, k, v, scale, lens, vis, problem.acc)
 
 
@@ -168,10 +186,76 @@ class CudaTorch(_namespace.Torch):
         out, lse = flash(folded, k, v, scale=scale)[:2]
         return out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq, 1)
 
+    def on_host(self, x):
+        """:meth:`Torch.on_host`, and no kernel selected by ``MPITREE_KERNEL``.
+
+        What the compiled host kernel asks before it reads a tensor: False keeps it
+        (and a bound ``KernelSlot``) off the tensors, and the step runs
+        :meth:`kernel_records`.
+        """
+        return super().on_host(x) and _triton() is None
+
+    def kernel_records(self, q, k, v, scale, lens, vis, out):
+        """Write the Triton kernel's records into host records ``out`` where it is selected.
+
+        Returns False (nothing written) unless ``MPITREE_KERNEL=triton``, and for
+        inputs it does not take (float64; records other than float32). CPU tensors
+        share ``out`` (the kernel writes into it); a device's records are staged
+        through one copy.
+        """
+        kernel = _triton()
+        if kernel is None or dtype_name(q.dtype) not in _TRITON_DTYPES or out.dtype != "float32":
+            return False
+        t = self.t
+        q, k, v = (x.detach() for x in (q, k, v))
+        if q.device.type == "cpu":
+            kernel.decode_records(q, k, v, scale, lens, vis, t.from_numpy(out))
+            return True
+        rec = t.empty(out.shape, dtype=t.float32, device=q.device)
+        kernel.decode_records(q, k, v, scale, lens, vis, rec)
+        t.from_numpy(out).copy_(rec)
+        return True
+
+    def kernel_output(self, records, like):
+        """Return ``n / d`` of float32 host records from the Triton kernel, on ``like``'s device.
+
+        None (the host finishes) unless ``MPITREE_KERNEL=triton``, and for records
+        other than float32 or an output dtype the kernel does not write.
+        """
+        kernel = _triton()
+        if kernel is None or records.dtype != "float32":
+            return None
+        if dtype_name(like.dtype) not in _TRITON_DTYPES:
+            return None
+        return kernel.finish_output(self.from_numpy(records, like), like.dtype)
+
     def pinned_empty(self, shape, name, like=None):
         """Return a host numpy array for staging ``like``'s device data (pinned for CUDA)."""
         pin = like is not None and like.device.type == "cuda"
         return self.t.empty(tuple(shape), dtype=self.dtype(name), pin_memory=pin).numpy()
+
+
+def _triton():
+    """Return the Triton kernel's module if ``MPITREE_KERNEL=triton`` selects it, else None.
+
+    Read on every call (a test or a user may set it between calls); the module, and
+    triton with it, is imported the first time it is selected.
+
+    Raises
+    ------
+    ValueError
+        For a value of ``MPITREE_KERNEL`` other than ``triton`` or empty.
+    ImportError
+        Where triton is not installed, naming what to install.
+    """
+    name = os.environ.get(_KERNEL_ENV, "")
+    if name == "":
+        return None
+    if name not in _KERNELS:
+        raise ValueError(f"{_KERNEL_ENV} must be 'triton' or unset, got {name!r}")
+    from . import _triton_decode
+
+    return _triton_decode
 
 
 _FLASH = {}  # a CUDA device -> whether torch's flash kernel runs there (looked up once)

@@ -12,7 +12,11 @@ with CUDA events (median of ``--steps`` after ``--warmup``):
   into the query rows (what records from a fused kernel would cost: out and lse);
 - ``tree_decode``: the whole ``mpitree.tree_decode`` call (local state, staging the
   records to the host, the merge, the output back on the device);
-- ``plan``: ``DecodePlan.decode``, the same step through a plan.
+- ``plan``: ``DecodePlan.decode``, the same step through a plan;
+- ``triton_records``, ``triton_tree``, ``triton_plan``: the fused Triton kernel's
+  records into a device buffer (``adapters/_triton_decode.py``), and the two calls
+  above with ``MPITREE_KERNEL=triton`` set around each (rows left out where triton
+  does not import).
 
 Each row's error is against ``mpitree.reference_attention`` in float64 on the same
 (rounded) inputs: the local rows over this rank's keys, the merged ones over the whole
@@ -28,6 +32,7 @@ rank's times include the others' load); rank 0 prints the slowest rank's medians
 from __future__ import annotations
 
 import argparse
+import os
 
 import numpy as np
 import torch
@@ -61,6 +66,38 @@ def flash_lse(q, k, v):
     folded = q.reshape(b, hkv, hq // hkv * sq, dim)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(folded, k, v, scale=dim**-0.5)[:2]
     return out.reshape(b, hq, sq, dim), lse.reshape(b, hq, sq)
+
+
+def triton_methods(q, k, v, kw, comm, plan):
+    """Return the Triton kernel's methods {name: fn} (none where triton does not import)."""
+    try:
+        from mpitree.adapters import _triton_decode as kernel
+    except ImportError as exc:
+        print(f"no Triton rows: {exc}")
+        return {}
+    b, hq, sq, dim = q.shape
+    rec = torch.empty(b, hq, sq, dim + 2, device=q.device)
+    lens = kw.get("kv_len")
+
+    def selected(fn):
+        def run():
+            os.environ["MPITREE_KERNEL"] = "triton"
+            try:
+                return fn()
+            finally:
+                del os.environ["MPITREE_KERNEL"]
+
+        return run
+
+    def records():
+        kernel.decode_records(q, k, v, dim**-0.5, lens, None, rec)
+        return rec
+
+    return {
+        "triton_records": records,
+        "triton_tree": selected(lambda: mpitree.tree_decode(q, k, v, comm=comm, **kw)),
+        "triton_plan": selected(lambda: plan.decode(q, k, v, **kw)),
+    }
 
 
 def main():
@@ -110,6 +147,7 @@ def main():
     }
     if dtype == torch.float32:
         del methods["flash_lse"]
+    methods.update(triton_methods(q, k, v, kw, comm, plan))
     times = {name: [] for name in methods}
     for _ in range(3):  # rounds: every method once in turn, so drifts touch all alike
         for name, fn in methods.items():
@@ -127,6 +165,11 @@ def main():
     }
     if "flash_lse" in methods:
         outs["flash_lse"] = flash_lse(q, k, v)[0]
+    if "triton_records" in methods:
+        rec = methods["triton_records"]().double().cpu().numpy()
+        outs["triton_records"] = mpitree.State(rec).output()
+        outs["triton_tree"] = methods["triton_tree"]()
+        outs["triton_plan"] = methods["triton_plan"]()
     if args.profile:  # last: the profiler leaves CUDA's activity tracing on, slowing launches
         with torch.profiler.profile() as prof:
             for _ in range(20):
@@ -147,7 +190,8 @@ def main():
     for name, out in outs.items():
         got = out if isinstance(out, np.ndarray) else out.double().cpu().numpy()
         whole, own = refs["all" if name in ("sdpa", "flash_lse") else "seen"]
-        err[name] = float(np.abs(got - (whole if name in ("tree_decode", "plan") else own)).max())
+        merged = name in ("tree_decode", "plan", "triton_tree", "triton_plan")
+        err[name] = float(np.abs(got - (whole if merged else own)).max())
     bw = 2 * nbytes / med["copy"] / 1e6  # GB/s, read + write
     floor = nbytes / bw / 1e6  # ms
     print(
@@ -155,10 +199,10 @@ def main():
         f"D {dim}, {n} {args.dtype} keys per rank" + (f", kv_len {seen}" if args.kv_len else "")
     )
     print(f"K+V per rank {nbytes / 1e6:.1f} MB; copy {bw:.0f} GB/s; read floor {floor:.4f} ms")
-    print(f"{'method':<12} {'median ms':>10} {'x floor':>8} {'max |err|':>10}")
+    print(f"{'method':<14} {'median ms':>10} {'x floor':>8} {'max |err|':>10}")
     for key, t in med.items():
         e = f"{err[key]:.2e}" if key in err else "-"
-        print(f"{key:<12} {t:>10.4f} {t / floor:>8.2f} {e:>10}")
+        print(f"{key:<14} {t:>10.4f} {t / floor:>8.2f} {e:>10}")
 
 
 def _whole_and_own(shards, keys):

@@ -221,6 +221,14 @@ class NumpyLike:
         """Return records from a fused attention kernel: none here (numpy, CuPy, JAX)."""
         return None
 
+    def kernel_records(self, q, k, v, scale, lens, vis, out):
+        """Write records from a selected device kernel into ``out``: none here (False)."""
+        return False
+
+    def kernel_output(self, records, like):
+        """Return ``n / d`` from a selected device kernel: none here (None)."""
+        return None
+
     def pinned_empty(self, shape, name, like=None):
         """Return a host numpy array for staging device data (page-locked where that helps)."""
         if self.name == "cupy":
@@ -234,9 +242,10 @@ class Torch:
     """torch, on the tensors' device: the operations every device shares.
 
     The torch adapter's subclass (registered with :func:`register`) adds the
-    device paths: :meth:`fused_records` (torch's flash kernel on CUDA) and
-    :meth:`pinned_empty` (page-locked staging for CUDA); :func:`namespace` gives
-    every torch tensor that subclass.
+    device paths: :meth:`fused_records` (torch's flash kernel on CUDA),
+    :meth:`pinned_empty` (page-locked staging for CUDA), and the Triton kernel
+    ``MPITREE_KERNEL=triton`` selects (:meth:`kernel_records`,
+    :meth:`kernel_output`); :func:`namespace` gives every torch tensor that subclass.
     """
 
     name = "torch"
@@ -401,6 +410,18 @@ class Torch:
         """Host array ``a`` as a tensor on ``like``'s device."""
         out = self.t.from_numpy(a)
         return out if like is None or like.device.type == "cpu" else out.to(like.device)
+
+    def kernel_records(self, q, k, v, scale, lens, vis, out):
+        """Write records from a selected device kernel into host records ``out``; whether it did.
+
+        None selected here (False); the torch adapter's subclass runs the one that
+        ``MPITREE_KERNEL`` names.
+        """
+        return False
+
+    def kernel_output(self, records, like):
+        """Return ``n / d`` of host records from a selected device kernel, or None (none here)."""
+        return None
 
     def refuse_gradient(self, outputs, inputs):
         """Tie ``outputs`` to the graph of ``inputs`` needing grad, with a backward that raises.

@@ -189,11 +189,15 @@ def finish(records, like, return_lse=False, layout="bhsd", inputs=()):
             out = out.astype(host_dtype, copy=False)
     elif layout == "bhsd" and host_dtype == np.float32 and ns.name == "numpy":
         out = _output_bhsd(records)
+    elif layout == "bhsd" and ns.name != "numpy":
+        out = ns.kernel_output(records, like)  # a device kernel MPITREE_KERNEL selects, or None
+        if out is None:
+            out = output_of(records)
     elif layout == "bhsd":
-        out = output_of(records, host_dtype if ns.name == "numpy" else None)
+        out = output_of(records, host_dtype)
     else:
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
-    if ns.name != "numpy":
+    if ns.name != "numpy" and type(out) is np.ndarray:  # not yet on like's device
         out = ns.astype(ns.from_numpy(out, like), name)
     if not return_lse:
         return ns.refuse_gradient((out,), inputs)[0] if inputs else out

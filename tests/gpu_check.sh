@@ -44,11 +44,12 @@ status=0
 echo "== cuda-marked tests, 1, 2 and 3 ranks"
 timeout 270 $py tests/run.py --nprocs 1,2,3 --leg-timeout 150 -k "${SELECT:-cuda}" \
     tests/test_cuda_mpi.py tests/test_torch_adapter_mpi.py tests/test_cupy_adapter_mpi.py \
-    tests/test_flash_attn_adapter_mpi.py >"$OUT/tests.log" 2>&1 || status=1
+    tests/test_flash_attn_adapter_mpi.py tests/test_triton_kernel.py tests/test_triton_mpi.py \
+    >"$OUT/tests.log" 2>&1 || status=1
 grep -E "^(FAILED|ERROR)|^E  |mpitree tests:" "$OUT/tests.log" | cut -c1-400 | head -60
 bench() {
     echo "== $*"
-    timeout 60 "$@" 2>&1 | tee -a "$OUT/bench.log" | tail -9 || status=1
+    timeout 60 "$@" 2>&1 | tee -a "$OUT/bench.log" | tail -12 || status=1
 }
 [ "${BENCH:-1}" = 0 ] && exit $status
 bench $py benchmarks/gpu_decode.py --tokens "$tokens" --profile

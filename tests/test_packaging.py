@@ -17,11 +17,11 @@ BLOCK_FRAMEWORKS = """
 import sys
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "cupy", "flash_attn", "jax"):
+        if name.split(".")[0] in ("torch", "cupy", "flash_attn", "jax", "triton"):
             raise ImportError("blocked: " + name)
 sys.meta_path.insert(0, Block())
 import mpitree, mpitree.adapters
-print(sorted(m for m in ("torch", "cupy", "flash_attn", "jax") if m in sys.modules))
+print(sorted(m for m in ("torch", "cupy", "flash_attn", "jax", "triton") if m in sys.modules))
 """
 
 
