@@ -4,16 +4,17 @@ The core takes torch tensors directly (``mpitree.tree_decode``, ``DecodePlan``):
 it recognises them without importing torch and returns results on their device.
 This module adds what only torch users need: :func:`local_state` returning the
 records as a tensor on the tensors' device, and :func:`cuda_aware`. It also holds
-torch's device code, the namespace the core gives every torch tensor (the core
-imports this module on the first tensor it sees).
+torch's device code, the namespace the core gives every torch tensor and the
+``"pinned"`` buffer kind of CUDA tensors' records (the core imports this module on
+the first tensor it sees; importing it registers both).
 
 Local attention: float32 CPU tensors run the compiled kernel on memory shared
 with numpy (no copy); bfloat16 CUDA tensors without a mask run torch's fused
 flash kernel (records ``[lse, 1, out]``, docs/frameworks.md says when); the
 rest run grouped torch matmuls on the tensors' device (float32 accumulation,
 float64 for float64; GQA without repeating K/V). CUDA records are staged
-through a pinned host buffer for the merge (MPI runs user-defined reductions
-on the host).
+through a pinned host buffer for the merge (the :class:`Pinned` buffer kind:
+MPI runs user-defined reductions on the host).
 
 Importing this module imports torch; ``import mpitree`` never does.
 """
@@ -26,11 +27,12 @@ import os
 from ._hint import missing
 
 try:
-    import torch  # noqa: F401  (the adapter needs it; the core never imports it)
+    import torch
 except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise missing("mpitree.adapters.torch", "torch", exc) from exc
 
 from mpitree import DecodePlan, _namespace, extend, tree_decode
+from mpitree._buffers import BufferKind, register_kind
 from mpitree._checks import check_masking, check_qkv
 from mpitree._local import state_records
 from mpitree._masks import visibility
@@ -93,8 +95,7 @@ class CudaTorch(_namespace.Torch):
     """torch's array namespace with its CUDA paths, which the core gives every torch tensor.
 
     Adds to the core's device-independent operations torch's fused flash kernel
-    for bfloat16 CUDA tensors (:meth:`fused_records`) and page-locked host buffers
-    for staging CUDA records (:meth:`pinned_empty`).
+    for bfloat16 CUDA tensors (:meth:`fused_records`).
     """
 
     def fused_records(self, q, k, v, scale, lens=None):
@@ -168,10 +169,24 @@ class CudaTorch(_namespace.Torch):
         out, lse = flash(folded, k, v, scale=scale)[:2]
         return out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq, 1)
 
-    def pinned_empty(self, shape, name, like=None):
-        """Return a host numpy array for staging ``like``'s device data (pinned for CUDA)."""
-        pin = like is not None and like.device.type == "cuda"
-        return self.t.empty(tuple(shape), dtype=self.dtype(name), pin_memory=pin).numpy()
+
+class Pinned(BufferKind):
+    """Page-locked host memory for CUDA tensors' records: a merger's ``"pinned"`` buffer kind.
+
+    MPI and the native op read it in place; copies between it and the device run
+    at full speed (and may run asynchronously).
+    """
+
+    name = "pinned"
+
+    @classmethod
+    def serves(cls, like):
+        """CUDA tensors."""
+        return isinstance(like, torch.Tensor) and like.device.type == "cuda"
+
+    def allocate(self, shape, dtype, like):
+        """Return a numpy array over torch's page-locked host memory."""
+        return torch.empty(tuple(shape), dtype=getattr(torch, dtype), pin_memory=True).numpy()
 
 
 _FLASH = {}  # a CUDA device -> whether torch's flash kernel runs there (looked up once)
@@ -196,3 +211,4 @@ def _flash_capable(torch, device):
 
 
 _namespace.register("torch", CudaTorch)
+register_kind(Pinned)
