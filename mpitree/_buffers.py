@@ -5,9 +5,9 @@ in one kind, the one :func:`kind_for` picks from its strategy's declared
 ``buffers`` and the call's arrays. A kind is one small class: which arrays it
 serves (:meth:`BufferKind.serves`), how it allocates the buffer once
 (:meth:`BufferKind.allocate`), whether MPI and the native op read it in place
-(``host_memory``) or through a host mirror staged by :meth:`BufferKind.to_host`
-and :meth:`BufferKind.from_host`, and the merged records as host memory for the
-output (:meth:`BufferKind.output`). The core registers ``"host"`` (and CuPy's
+(``host_memory``) or through a host mirror that :meth:`BufferKind.to_host`
+fills, and the merged records as host memory for the output
+(:meth:`BufferKind.output`). The core registers ``"host"`` (and CuPy's
 ``"pinned"``); an adapter registers its own kinds when it is imported (the torch
 adapter: ``"pinned"`` for CUDA tensors). docs/strategies.md, "Buffer kinds".
 """
@@ -96,9 +96,6 @@ class BufferKind:
     def to_host(self):
         """Copy :attr:`buf` into :attr:`host` where they differ; return :attr:`host`."""
         return self.host
-
-    def from_host(self):
-        """Copy :attr:`host` back into :attr:`buf` where they differ."""
 
     def output(self, rows):
         """Return the first ``rows`` merged records as host memory, for the output."""

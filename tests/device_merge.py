@@ -39,10 +39,6 @@ class DeviceTensor(BufferKind):
         torch.from_numpy(self.host).copy_(self.buf)
         return self.host
 
-    def from_host(self):
-        """Copy the host mirror back into the tensor."""
-        self.buf.copy_(torch.from_numpy(self.host))
-
 
 class DeviceGather(Strategy):
     """One all-gather of the mirrored records, then a rank-ordered merge on the device."""

@@ -44,8 +44,8 @@ class Strategy(ABC):
     A strategy reads the buffer through its kind (``mpitree._buffers``), one of
     those it declares in ``buffers``: :attr:`kind` ``.buf`` in the kind's own
     memory, :attr:`host` in host memory (the buffer itself for ``"host"`` and
-    ``"pinned"``; for a device kind, a mirror that ``kind.to_host()`` fills and
-    ``kind.from_host()`` copies back). Both are allocated once, with the merger.
+    ``"pinned"``; for a device kind, a mirror that ``kind.to_host()`` fills). Both
+    are allocated once, with the merger.
 
     Attributes
     ----------
