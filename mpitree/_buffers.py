@@ -31,6 +31,9 @@ PREFERENCE = ("device", "pinned", "host")
 def register_kind(cls):
     """Add a buffer kind class under its ``name`` (a class decorator; returns ``cls``).
 
+    A class of the same module and name registered before (its module imported
+    again) is replaced.
+
     Raises
     ------
     ValueError
@@ -41,7 +44,9 @@ def register_kind(cls):
         raise ValueError(f"a buffer kind's name is one of {BUFFERS}, got {cls.name!r}")
     if type(cls.host_memory) is not bool or type(cls.cuda_aware) is not bool:
         raise ValueError(f"buffer kind {cls.__name__}: host_memory and cuda_aware are bools")
-    KINDS[cls.name].insert(0, cls)
+    same = (cls.__module__, cls.__qualname__)
+    kinds = [k for k in KINDS[cls.name] if (k.__module__, k.__qualname__) != same]
+    KINDS[cls.name][:] = [cls, *kinds]
     return cls
 
 

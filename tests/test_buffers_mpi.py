@@ -58,6 +58,17 @@ def test_kinds_of_the_core_and_their_choice():
         bad = {"name": "device", "host_memory": 1}
         _buffers.register_kind(type("Bad", (_buffers.BufferKind,), bad))
     assert _buffers.KINDS["device"] == []
+    again = type("CupyPinned", (_buffers.CupyPinned,), {"__module__": "mpitree._buffers"})
+    pinned = list(_buffers.KINDS["pinned"])
+    try:  # a module imported again registers its kind again: it replaces the one before
+        _buffers.register_kind(again)
+        assert (
+            _buffers.KINDS["pinned"][0] is again
+            and _buffers.CupyPinned not in _buffers.KINDS["pinned"]
+        )
+        assert len(_buffers.KINDS["pinned"]) == len(pinned)
+    finally:
+        _buffers.KINDS["pinned"][:] = pinned
 
 
 def test_listed_and_resolved(device_strategy):
