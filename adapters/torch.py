@@ -4,16 +4,17 @@ The core takes torch tensors directly (``mpitree.tree_decode``, ``DecodePlan``):
 it recognises them without importing torch and returns results on their device.
 This module adds what only torch users need: :func:`local_state` returning the
 records as a tensor on the tensors' device, and :func:`cuda_aware`. It also holds
-torch's device code, the namespace the core gives every torch tensor (the core
-imports this module on the first tensor it sees).
+torch's device code, the namespace the core gives every torch tensor and the
+``"pinned"`` buffer kind of CUDA tensors' records (the core imports this module on
+the first tensor it sees; importing it registers both).
 
 Local attention: float32 CPU tensors run the compiled kernel on memory shared
 with numpy (no copy); bfloat16 CUDA tensors without a mask run torch's fused
 flash kernel (records ``[lse, 1, out]``, docs/frameworks.md says when); the
 rest run grouped torch matmuls on the tensors' device (float32 accumulation,
 float64 for float64; GQA without repeating K/V). CUDA records are staged
-through a pinned host buffer for the merge (MPI runs user-defined reductions
-on the host).
+through a pinned host buffer for the merge (the :class:`Pinned` buffer kind:
+MPI runs user-defined reductions on the host).
 
 ``MPITREE_KERNEL=triton`` selects the fused Triton kernel (``_triton_decode``) for
 torch tensors on any device instead: float16, bfloat16 and float32 inputs, every
@@ -37,6 +38,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise missing("mpitree.adapters.torch", "torch", exc) from exc
 
 from mpitree import DecodePlan, _namespace, extend, tree_decode
+from mpitree._buffers import BufferKind, register_kind
 from mpitree._checks import check_masking, check_qkv
 from mpitree._local import state_records
 from mpitree._masks import visibility
@@ -111,8 +113,7 @@ class CudaTorch(_namespace.Torch):
     """torch's array namespace with its CUDA paths, which the core gives every torch tensor.
 
     Adds to the core's device-independent operations torch's fused flash kernel
-    for bfloat16 CUDA tensors (:meth:`fused_records`) and page-locked host buffers
-    for staging CUDA records (:meth:`pinned_empty`).
+    for bfloat16 CUDA tensors (:meth:`fused_records`).
     """
 
     def fused_records(self, q, k, v, scale, lens=None):
@@ -196,20 +197,24 @@ class CudaTorch(_namespace.Torch):
         return super().on_host(x) and _triton() is None
 
     def kernel_records(self, q, k, v, scale, lens, vis, out):
-        """Write the Triton kernel's records into host records ``out`` where it is selected.
+        """Write the Triton kernel's records into records ``out`` where it is selected.
 
         Returns False (nothing written) unless ``MPITREE_KERNEL=triton``, and for
-        inputs it does not take (float64; records other than float32). CPU tensors
-        share ``out`` (the kernel writes into it); a device's records are staged
-        through one copy.
+        inputs it does not take (float64; records other than float32). ``out`` is
+        host memory (numpy: CPU tensors share it, a device's records are staged
+        through one copy) or a tensor on the inputs' device (a merger's buffer of a
+        device kind), written in place.
         """
         kernel = _triton()
-        if kernel is None or dtype_name(q.dtype) not in _TRITON_DTYPES or out.dtype != "float32":
+        if kernel is None or dtype_name(q.dtype) not in _TRITON_DTYPES:
+            return False
+        if dtype_name(out.dtype) != "float32":
             return False
         t = self.t
         q, k, v = (x.detach() for x in (q, k, v))
-        if q.device.type == "cpu":
-            kernel.decode_records(q, k, v, scale, lens, vis, t.from_numpy(out))
+        if isinstance(out, t.Tensor) or q.device.type == "cpu":
+            out = out if isinstance(out, t.Tensor) else t.from_numpy(out)
+            kernel.decode_records(q, k, v, scale, lens, vis, out)
             return True
         rec = t.empty(out.shape, dtype=t.float32, device=q.device)
         kernel.decode_records(q, k, v, scale, lens, vis, rec)
@@ -229,10 +234,24 @@ class CudaTorch(_namespace.Torch):
             return None
         return kernel.finish_output(self.from_numpy(records, like), like.dtype)
 
-    def pinned_empty(self, shape, name, like=None):
-        """Return a host numpy array for staging ``like``'s device data (pinned for CUDA)."""
-        pin = like is not None and like.device.type == "cuda"
-        return self.t.empty(tuple(shape), dtype=self.dtype(name), pin_memory=pin).numpy()
+
+class Pinned(BufferKind):
+    """Page-locked host memory for CUDA tensors' records: a merger's ``"pinned"`` buffer kind.
+
+    MPI and the native op read it in place; copies between it and the device run
+    at full speed (and may run asynchronously).
+    """
+
+    name = "pinned"
+
+    @classmethod
+    def serves(cls, like):
+        """CUDA tensors."""
+        return isinstance(like, torch.Tensor) and like.device.type == "cuda"
+
+    def allocate(self, shape, dtype, like):
+        """Return a numpy array over torch's page-locked host memory."""
+        return torch.empty(tuple(shape), dtype=getattr(torch, dtype), pin_memory=True).numpy()
 
 
 def _triton():
@@ -280,3 +299,4 @@ def _flash_capable(torch, device):
 
 
 _namespace.register("torch", CudaTorch)
+register_kind(Pinned)

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from . import _merger
 from ._guard import agree
 from ._invariant_merger import InvariantMerger
-from ._merger import Merger, _staging, cache_key, merger_for
+from ._merger import Merger, _staging, buffer_kind, cache_key, merger_for
 from ._options import INVARIANT
 from ._strategies import resolve
 
@@ -61,27 +61,34 @@ def agree_merger(comm, prepare, *, like=None, owned=False):
     Exception
         On every rank, as :func:`agree` raises.
     """
-    call = agree(comm, prepare if like is None else _staged(prepare, like))
+    call = agree(comm, _staged(prepare, like))
     return call, agreed_merger(comm, call, like=like, owned=owned)
 
 
 def _staged(prepare, like):
     """Wrap ``prepare``: its call's signature also names how ``like``'s records are staged.
 
-    A merger is cached per staging (host, or the framework's device), so ranks whose
-    arrays live in different places would look up different mergers: one rank
-    building one (a collective) while another starts its cached one would hang.
-    Agreed, they raise. The device's index is not agreed: each rank may use its own.
+    A merger is cached per staging (host, or the framework's device) and holds a
+    buffer of the kind its strategy and the arrays pick (:func:`buffer_kind`,
+    which raises here, in the local phase, where no registered kind serves them), so
+    ranks whose arrays live in different places, or that pick different kinds, would
+    look up different mergers: one rank building one (a collective) while another
+    starts its cached one would hang. Agreed, they raise. The device's index is not
+    agreed: each rank may use its own.
     """
 
     def staged():
         call = prepare()
+        buffer = buffer_kind(call.merge, like)
         kind = _staging(like)
-        if kind is None:
+        if kind is None and buffer in (None, "host"):
             return call
-        kind = (kind[0], str(kind[1]).split(":")[0]) if kind[0] == "torch" else kind[:1]
-        key = None if call.key is None else (call.key, kind)
-        return dataclasses.replace(call, signature={**call.signature, "staging": kind}, key=key)
+        fields = {"buffer": buffer}
+        if kind is not None:
+            kind = (kind[0], str(kind[1]).split(":")[0]) if kind[0] == "torch" else kind[:1]
+            fields["staging"] = kind
+        key = None if call.key is None else (call.key, kind, buffer)
+        return dataclasses.replace(call, signature={**call.signature, **fields}, key=key)
 
     return staged
 

@@ -103,11 +103,13 @@ def block_rows(b, hq, t):
 
 
 def attend(ns, q, k, v, scale, lens, vis, out):
-    """Write the state of q over this shard into host records ``out`` ``(B, Hq, Sq, D + 2)``.
+    """Write the state of q over this shard into records ``out`` ``(B, Hq, Sq, D + 2)``.
 
+    ``out`` is host memory (numpy), or an array of the inputs' own framework (a
+    merger's buffer of a device kind, ``mpitree._buffers``), written in place.
     Host float32 inputs (numpy, or CPU torch tensors shared without a copy) run
-    the compiled kernel (K and V read once); everything else runs
-    :func:`state_records` in its own namespace, staged into ``out``. Many query
+    the compiled kernel into numpy records (K and V read once); everything else
+    runs :func:`state_records` in its own namespace, staged into ``out``. Many query
     rows (a prompt) run in blocks of rows whose scores fit ``BLOCK_SCORES``
     elements, each block reading only the keys up to the last one it can see.
     """
@@ -124,11 +126,14 @@ def attend(ns, q, k, v, scale, lens, vis, out):
             stop = ns.last_true(rows.reshape(-1, t).any(0)) + 1
             rows = ns.contiguous(rows[..., :stop])
         part = lens if lens is None or stop == t else ns.where(lens > stop, stop, lens)
-        block = np.empty((*out.shape[:2], min(step, sq - i), out.shape[-1]), out.dtype)
+        view = out[:, :, i : i + step]
+        host = isinstance(out, np.ndarray)  # the compiled kernel writes contiguous records
+        block = np.empty(view.shape, out.dtype) if host else view
         _attend_block(
             ns, q[:, :, i : i + step], k[:, :, :stop], v[:, :, :stop], scale, part, rows, block
         )
-        out[:, :, i : i + step] = block
+        if host:
+            view[...] = block
 
 
 def _attend_block(ns, q, k, v, scale, lens, vis, out):
@@ -142,7 +147,7 @@ def _attend_block(ns, q, k, v, scale, lens, vis, out):
         if attend_native(*host, scale, lens_h, vis_h, out):
             return
     rec = state_records(ns, q, k, v, scale, lens, vis, dtype_name(out.dtype))
-    if ns.name == "numpy":
+    if ns.name == "numpy" or not isinstance(out, np.ndarray):  # in the records' own framework
         out[...] = rec
     else:
         out[...] = ns.to_numpy(rec)

@@ -1,9 +1,12 @@
-"""The one merger object: record buffer, strategy (op, persistent request) and host staging.
+"""The one merger object: a record buffer of one buffer kind, and its strategy's merge.
 
 A :class:`Merger` is built once for a problem (rows, head dim, accumulation
-dtype, strategy) and merges step after step without allocating: plans own one,
-and one-shot calls, adapters and the transformers cache share the mergers
-cached on their communicator (:func:`merger_for`).
+dtype, strategy, the arrays' framework and device) and merges step after step
+without allocating: plans own one, and one-shot calls, adapters and the
+transformers cache share the mergers cached on their communicator
+(:func:`merger_for`). Its buffer lives in the kind (``mpitree._buffers``) that
+its strategy's declared ``buffers`` and the call's arrays pick; a call agrees on
+that kind's name (:func:`buffer_kind`, in its local phase) before any merger is built.
 """
 
 from __future__ import annotations
@@ -15,14 +18,16 @@ from collections import OrderedDict
 import numpy as np
 from mpi4py import MPI
 
+from ._buffers import describe, kind_for
 from ._guard import raise_failure
 from ._invariant_merger import InvariantMerger
 from ._namespace import namespace
 from ._options import INVARIANT
+from ._registry import AUTO
 from ._runtime import check_mpi_usable
 from ._state import empty_records
 from ._step_code import settle_code
-from ._strategies import REGISTRY, free_requests
+from ._strategies import DETERMINISTIC, REGISTRY, free_requests
 from ._traffic import hook
 
 _CACHE_SIZE = 16
@@ -48,21 +53,41 @@ class Merger:
     persistent : bool
         Use a persistent request where the strategy and MPI support one.
     like : array, optional
-        A device array whose records are staged through this merger's host
-        buffer (allocated page-locked for CUDA).
+        An array of the call (framework and device): with the strategy's declared
+        ``buffers`` it picks the buffer kind (:func:`~._buffers.kind_for`). None:
+        host records.
+
+    Attributes
+    ----------
+    kind : mpitree._buffers.BufferKind
+        The buffer's kind, allocated once: strategies read the buffer through it.
+    buf : array
+        ``(rows + 1, D + 2)``: the records, then the failure flag record, in the
+        kind's memory (a numpy array for host memory).
+    records : array
+        ``buf[:rows]``: what ``local`` writes and, in host memory, what
+        :meth:`merge` returns.
+
+    Raises
+    ------
+    ValueError
+        When no registered kind of the strategy's ``buffers`` serves ``like``
+        (:func:`buffer_kind` raised it before the agreement already).
     """
 
     def __init__(
         self, comm, rows, head_dim, acc, strategy, *, node_size=0, persistent=True, like=None
     ):
         self.comm, self.strategy = comm, strategy
-        shape = (rows + 1, head_dim + 2)
-        if like is None:
-            self.buf = np.empty(shape, dtype=np.dtype(acc))
-        else:
-            self.buf = namespace(like).pinned_empty(shape, acc, like)
+        cls = REGISTRY[strategy]
+        kind = kind_for(cls.buffers, like)
+        if kind is None:
+            raise ValueError(_no_kind(strategy, cls.buffers, like))
+        self.kind = kind((rows + 1, head_dim + 2), acc, like)
+        self.buf = self.kind.buf
         self.records = self.buf[:rows]
-        self._impl = REGISTRY[strategy](self, node_size, persistent)
+        self._rows = rows if not kind.host_memory else None  # staged out after each merge
+        self._impl = cls(self, node_size, persistent)
         # the finalizer holds the request list only, never the merger: dropping it frees them
         self._finalizer = weakref.finalize(self, free_requests, self._impl.requests)
 
@@ -73,14 +98,16 @@ class Merger:
         ----------
         local : callable or object
             ``local(records)`` (or ``local.fill(records)``) writes this rank's
-            ``(rows, D + 2)`` host records. It runs inside the guard: whatever it
-            raises becomes this rank's verdict, carried by the merge collective.
+            ``(rows, D + 2)`` records, in place, into :attr:`records`: host memory
+            (numpy), or the buffer kind's own arrays. It runs inside the guard:
+            whatever it raises becomes this rank's verdict, carried by the merge
+            collective.
 
         Returns
         -------
         numpy.ndarray
-            ``(rows, D + 2)`` merged records: this merger's buffer, valid until
-            its next merge.
+            ``(rows, D + 2)`` merged host records: this merger's buffer (or, for a
+            kind not in host memory, its host mirror), valid until its next merge.
 
         Raises
         ------
@@ -111,7 +138,8 @@ class Merger:
             error = error if error is not None else self._impl.error
             self._impl.error = None
             raise_failure(self.comm, error)
-        return self.records
+        rows = self._rows
+        return self.records if rows is None else self.kind.output(rows)
 
     def bind_layer(self, bound):
         """Bind a layer's one-call step to this merge.
@@ -124,13 +152,14 @@ class Merger:
         Returns
         -------
         bool
-            Whether it could: where the records are float32 and the strategy
-            merges in one persistent all-reduce (or there is one rank).
+            Whether it could: where the records are float32 host memory and the
+            strategy merges in one persistent all-reduce (or there is one rank).
             :meth:`merge_layer` then runs the layer's whole step in one
             compiled call; otherwise it runs the kernel inside :meth:`merge`,
             then finishes.
         """
-        collective = self._impl.bound_collective() if self.buf.dtype == np.float32 else None
+        host = self.kind.host_memory and self.buf.dtype == np.float32
+        collective = self._impl.bound_collective() if host else None
         if collective is None:
             return False
         bound.bind_merge(self, collective)
@@ -201,7 +230,59 @@ class Merger:
 
     def __repr__(self):
         rows, width = self.records.shape
-        return f"Merger({self.strategy!r}, rows={rows}, D={width - 2}, {self.buf.dtype})"
+        kind, dtype = self.kind.name, self.kind.host.dtype
+        return f"Merger({self.strategy!r}, rows={rows}, D={width - 2}, {dtype}, {kind})"
+
+
+def _no_kind(strategy, buffers, like):
+    """Say that no kind of a strategy's declared ``buffers`` serves ``like``'s records."""
+    return (
+        f"strategy {strategy!r} merges in {' or '.join(buffers)} buffers, and no buffer kind "
+        f"registered under those names serves {describe(like)} (an adapter registers its "
+        "kinds when it is imported)"
+    )
+
+
+def buffer_kind(merge, like):
+    """Return the name of the buffer kind a call's merger will hold; raise if there is none.
+
+    Runs in a call's local phase, before its agreement (``_agreed``): a strategy
+    that cannot serve the call's arrays is then this rank's verdict, raised on every
+    rank, and the name goes into the agreed signature, so that no two ranks build
+    mergers of different kinds.
+
+    Parameters
+    ----------
+    merge : tuple or None
+        A call's ``(rows, head_dim, acc, options)`` (``Call.merge``).
+    like : array or None
+        The call's array (framework and device); None for host records.
+
+    Returns
+    -------
+    str or None
+        The kind's name; ``"host"`` where the strategy is picked after the
+        agreement (``"auto"``: every strategy it may pick merges in host memory)
+        or invariant mode's; None for a call that merges nothing.
+
+    Raises
+    ------
+    ValueError
+        When no registered kind of the strategy's ``buffers`` serves ``like``.
+    """
+    if merge is None:
+        return None
+    opts = merge[3]
+    strategy = opts.strategy
+    if opts.deterministic == INVARIANT or strategy == AUTO:
+        return "host"
+    if opts.deterministic and not REGISTRY[strategy].reproducible:
+        strategy = DETERMINISTIC
+    buffers = REGISTRY[strategy].buffers
+    kind = kind_for(buffers, like)
+    if kind is None:
+        raise ValueError(_no_kind(strategy, buffers, like))
+    return kind.name
 
 
 def _staging(like):

@@ -6,9 +6,10 @@ imported, no tensor can exist, so nothing here ever imports a framework. Every
 module that handles arrays (the local kernel, masks, the output finish, energy,
 spec) asks :func:`namespace` for the operations whose spelling differs between
 frameworks, and writes everything else with operators shared by all four.
-Torch's device code (its CUDA flash kernel, pinned host buffers) lives in the
-torch adapter: the first torch tensor seen imports it (torch is loaded by then),
-and it registers its namespace class with :func:`register`.
+Torch's device code (its CUDA flash kernel) lives in the torch adapter: the
+first torch tensor seen imports it (torch is loaded by then), and it registers
+its namespace class with :func:`register` (and its pinned buffer kind with
+``mpitree._buffers``).
 """
 
 from __future__ import annotations
@@ -229,22 +230,13 @@ class NumpyLike:
         """Return ``n / d`` from a selected device kernel: none here (None)."""
         return None
 
-    def pinned_empty(self, shape, name, like=None):
-        """Return a host numpy array for staging device data (page-locked where that helps)."""
-        if self.name == "cupy":
-            pinned = getattr(sys.modules.get("cupyx"), "empty_pinned", None)
-            if pinned is not None:
-                return pinned(shape, dtype=np.dtype(name))
-        return np.empty(shape, dtype=np.dtype(name))
-
 
 class Torch:
     """torch, on the tensors' device: the operations every device shares.
 
     The torch adapter's subclass (registered with :func:`register`) adds the
-    device paths: :meth:`fused_records` (torch's flash kernel on CUDA),
-    :meth:`pinned_empty` (page-locked staging for CUDA), and the Triton kernel
-    ``MPITREE_KERNEL=triton`` selects (:meth:`kernel_records`,
+    device paths: :meth:`fused_records` (torch's flash kernel on CUDA) and the
+    Triton kernel ``MPITREE_KERNEL=triton`` selects (:meth:`kernel_records`,
     :meth:`kernel_output`); :func:`namespace` gives every torch tensor that subclass.
     """
 

@@ -10,7 +10,8 @@ AUTO = "auto"  # the name that picks a registered strategy (``_strategies.resolv
 REGISTRY: dict = {}
 NAME_WIDTH = 12  # the demo's first column
 FLAGS = ("needs_kv", "uses_op", "persistent", "reproducible", "modelled")
-BUFFERS = ("host", "pinned", "device")
+BUFFERS = ("host", "pinned", "device")  # the buffer kinds' names (``mpitree._buffers``)
+HOST_MEMORY = BUFFERS[:2]
 
 
 def register(cls):
@@ -71,6 +72,11 @@ def _check_lists(cls, name):
     priority = getattr(cls, "auto_priority", None)
     if priority is not None and (type(priority) is not int):
         raise ValueError(f"strategy {name!r}: auto_priority must be an int or None")
+    if priority is not None and not set(buffers) <= set(HOST_MEMORY):
+        raise ValueError(  # "auto" resolves after the agreement, which agreed on host memory
+            f"strategy {name!r}: one 'auto' may pick merges in host memory: buffers from "
+            f"{HOST_MEMORY}"
+        )
     if priority is not None and cls.needs_kv:
         raise ValueError(
             f"strategy {name!r}: one that needs keys and values cannot be picked by 'auto' "

@@ -71,7 +71,9 @@ from mpitree._namespace import namespace
 assert "mpitree.adapters.torch" not in sys.modules
 ns = namespace(torch.zeros(2))
 print(type(ns).__module__, type(ns).__name__, "mpitree.adapters.torch" in sys.modules)
-buf = ns.pinned_empty((2, 3), "float32", torch.zeros(1))
+from mpitree._buffers import KINDS, kind_for
+buf = kind_for(("host", "pinned"), torch.zeros(1))((2, 3), "float32", torch.zeros(1)).buf
+assert KINDS["pinned"][0].__module__ == "mpitree.adapters.torch", KINDS  # its pinned kind
 x = torch.zeros(1, 1, 1, 8)
 print(type(buf).__name__, buf.shape, buf.dtype, ns.fused_records(x, x, x, 1.0))
 """
@@ -79,7 +81,8 @@ print(type(buf).__name__, buf.shape, buf.dtype, ns.fused_records(x, x, x, 1.0))
 
 def test_torch_namespace_is_the_adapters_registered_on_first_sight():
     """The core keeps no torch device code: its first torch tensor imports the torch adapter,
-    whose namespace (CUDA paths included) is then every tensor's; on the CPU nothing fuses."""
+    whose namespace (CUDA paths included) is then every tensor's and whose pinned buffer kind
+    is registered; on the CPU nothing fuses, and a CPU tensor's records stage in host memory."""
     out = subprocess.run(
         [sys.executable, "-c", TORCH_NAMESPACE], capture_output=True, text=True, timeout=120
     )

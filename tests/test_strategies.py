@@ -139,6 +139,7 @@ def test_register_refuses_bad_declarations():
         "label must be at most": {"label": "x" * 35},
         "auto_priority must be": {"auto_priority": True},
         "cannot be picked by 'auto'": {"needs_kv": True, "auto_priority": -1},
+        "'auto' may pick merges in host memory": {"buffers": ("device",), "auto_priority": 5},
     }
     for says, fields in refused.items():
         with pytest.raises(ValueError, match=says):

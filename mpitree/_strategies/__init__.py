@@ -41,6 +41,12 @@ class Strategy(ABC):
     flag merges like any record (its ``m`` is a max), so a failure anywhere
     reaches every rank in the same collective.
 
+    A strategy reads the buffer through its kind (``mpitree._buffers``), one of
+    those it declares in ``buffers``: :attr:`kind` ``.buf`` in the kind's own
+    memory, :attr:`host` in host memory (the buffer itself for ``"host"`` and
+    ``"pinned"``; for a device kind, a mirror that ``kind.to_host()`` fills). Both
+    are allocated once, with the merger.
+
     Attributes
     ----------
     name : str
@@ -67,7 +73,10 @@ class Strategy(ABC):
         ``persistent=True``), which a compiled step may start and wait on.
     buffers : tuple of str
         The buffer kinds it can merge in: ``"host"``, ``"pinned"`` (``"device"`` for a
-        device-side merge).
+        device-side merge). A merger takes, of the kinds registered under these names,
+        the nearest to the call's arrays that serves them (device, then pinned, then
+        host memory; ``mpitree._buffers.kind_for``); a call none serves is an error on
+        every rank, before any communication.
     reproducible : bool
         It merges in rank order, bitwise the same on every rank and run:
         ``deterministic=True`` keeps it (others run :data:`DETERMINISTIC`).
@@ -95,6 +104,8 @@ class Strategy(ABC):
     def __init__(self, merger, node_size=0, persistent=True):
         self.merger = merger
         self.comm = merger.comm
+        self.kind = merger.kind  # the buffer's kind: its memory, staging and output
+        self.host = merger.kind.host  # the buffer in host memory, for MPI and the native op
         self.error = None  # an exception this rank hit inside the strategy's own steps
         self.requests = []  # persistent requests, freed with the merger (see free_requests)
 

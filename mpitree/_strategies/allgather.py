@@ -32,11 +32,11 @@ class Allgather(Strategy):
 
     def __init__(self, merger, node_size=0, persistent=True):
         super().__init__(merger, node_size, persistent)
-        self._gathered = np.empty((self.comm.Get_size(), *merger.buf.shape), merger.buf.dtype)
+        self._gathered = np.empty((self.comm.Get_size(), *self.host.shape), self.host.dtype)
 
     def reduce(self, local, failed):
         """All-gather records and flags, merge in rank order."""
-        buf = self.merger.buf
+        buf = self.host
         set_flag(buf, failed)
         if self.comm.Get_size() > 1:
             traffic.add(buf.nbytes)

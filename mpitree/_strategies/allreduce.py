@@ -38,14 +38,15 @@ class Allreduce(Strategy):
     def __init__(self, merger, node_size=0, persistent=True):
         super().__init__(merger, node_size, persistent)
         self._request = None
-        self._flag = merger.buf[-1]  # the flag record: m set each merge, d and n stay 0
-        set_flag(merger.buf, False)
-        self._nbytes = merger.buf.nbytes
+        buf = self.host
+        self._flag = buf[-1]  # the flag record: m set each merge, d and n stay 0
+        set_flag(buf, False)
+        self._nbytes = buf.nbytes
         self._many = self.comm.Get_size() > 1
         if not self._many:
             return
-        rec, self._op = record_op(merger.buf.dtype, merger.buf.shape[1])
-        self._spec = [merger.buf, merger.buf.shape[0], rec]
+        rec, self._op = record_op(buf.dtype, buf.shape[1])
+        self._spec = [buf, buf.shape[0], rec]
         if persistent and _PERSISTENT_OK:
             try:
                 self._request = self.comm.Allreduce_init(MPI.IN_PLACE, self._spec, self._op)

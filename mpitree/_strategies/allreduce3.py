@@ -34,7 +34,7 @@ class Allreduce3(Strategy):
 
     def reduce(self, local, failed):
         """MAX of m (flag included), then SUM of the rescaled d and n."""
-        buf = self.merger.buf
+        buf = self.host
         set_flag(buf, failed)
         if self.comm.Get_size() == 1:
             return flagged(buf)

@@ -33,13 +33,14 @@ class Hierarchical(Strategy):
         super().__init__(merger, node_size, persistent)
         if self.comm.Get_size() == 1:
             return
-        rec, self._op = record_op(merger.buf.dtype, merger.buf.shape[1])
-        self._spec = [merger.buf, merger.buf.shape[0], rec]
+        buf = self.host
+        rec, self._op = record_op(buf.dtype, buf.shape[1])
+        self._spec = [buf, buf.shape[0], rec]
         self.layout = layout(self.comm, node_size)
 
     def reduce(self, local, failed):
         """Reduce to each node's leader, all-reduce among leaders, broadcast inside nodes."""
-        buf = self.merger.buf
+        buf = self.host
         set_flag(buf, failed)
         if self.comm.Get_size() == 1:
             return flagged(buf)

@@ -29,7 +29,7 @@ class Ring(Strategy):
 
     def reduce(self, local, failed):
         """Header all-gather (flags included), p - 1 block exchanges, one final flag all-reduce."""
-        comm, buf = self.comm, self.merger.buf
+        comm, buf = self.comm, self.host
         p, r = comm.Get_size(), comm.Get_rank()
         set_flag(buf, failed)
         if p == 1:
@@ -48,7 +48,7 @@ class Ring(Strategy):
         if headers[:, 2].any():
             self.error = error
             return True
-        rows = self.merger.records
+        rows = buf[:-1]
         parts = np.empty((p, *rows.shape), dtype=rows.dtype)
         parts[r] = rows
         b, hkv, _, dim = k.shape
