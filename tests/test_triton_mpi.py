@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import make_problem, world
 from numpy.testing import assert_allclose
+from test_buffers_mpi import device_strategy  # noqa: F401  (a fixture)
 from test_triton_kernel import (
     DEVICES,
     DTYPES,
@@ -75,3 +76,28 @@ def test_decode_plan_through_triton(device, dtype_name, triton_selected):  # noq
             ref, _ = prob.reference()
             assert_allclose(out.double().cpu().numpy(), ref, atol=tol, rtol=0)
             assert triton_selected == {"records": 2 * step + 2, "output": 2 * step + 2}
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_records_land_in_a_device_kinds_buffer(device_strategy, triton_selected, monkeypatch):  # noqa: F811
+    """Through a strategy over a device kind, the kernel writes the merger's own tensor.
+
+    No host staging between the kernel and the merge: the records the kernel
+    writes are the merger's buffer (tests/device_merge.py's CPU-tensor kind stands
+    in for device memory).
+    """
+    from test_triton_kernel import kernel
+
+    written, records = [], kernel.decode_records
+    monkeypatch.setattr(
+        kernel, "decode_records", lambda *a, **kw: written.append(a[6]) or records(*a, **kw)
+    )
+    comm = world()
+    dtype, tol = DTYPES["bfloat16"]
+    prob = rounded(make_problem(23, [6, 0, 9][: comm.size], **CASES["gqa"]), dtype)
+    q, k, v, kw = tensors(prob, dtype, "cpu", comm.rank)
+    out = mpitree.tree_decode(q, k, v, strategy=device_strategy.name, **kw)
+    buf = device_strategy.built[-1].merger.buf
+    assert [x.data_ptr() for x in written] == [buf.data_ptr()]
+    ref, _ = prob.reference()
+    assert_allclose(out.double().numpy(), ref, atol=tol, rtol=0)
