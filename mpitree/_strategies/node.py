@@ -113,7 +113,7 @@ class Node(Strategy):
     """Every node rank's records in one shared window, merged in rank order by every rank."""
 
     name = "node"
-    order = 5
+    order = 4  # beside hierarchical: ties go by name, so before ring
     summary = "a shared-memory window per node merged in rank order, leaders all-reduce"
     label = "node shared window (nodes of {nodes})"
     uses_op = True
