@@ -13,6 +13,7 @@ from mpitree._guard import RankError
 from mpitree._library import native_lib
 from mpitree._merger import Merger, merger_for
 from mpitree._state import combine_records
+from mpitree._strategies.node import _shared_node
 
 NPROCS = [1, 2, 3, 4]
 NODE_SIZES = [0, 1, 2, 3]  # real nodes (one here), one rank per node, uneven virtual nodes
@@ -161,7 +162,7 @@ def rss_mb():
 
 @pytest.mark.parallel(nprocs=[2, 3, 4])
 @pytest.mark.parametrize("node_size", [0, 2])
-def test_windows_are_freed_with_their_mergers(node_size):
+def test_windows_are_shared_and_freed_with_the_communicator(node_size):
     """Many mergers, freed or dropped (collected whenever), share their communicator's
     window; it grows with larger records and is freed with the communicator: no growth."""
     comm = world()
@@ -204,3 +205,23 @@ def test_a_plan_runs_it_and_deterministic_mode_leaves_it():
             assert_allclose(plan.decode(prob.q, k, v, **kw), prob.reference()[0], atol=2e-5)
     with mpitree.DecodePlan(2, 4, 2, 16, strategy="node", deterministic=True) as plan:
         assert plan.strategy == "allgather"
+
+
+class SpanningNode:
+    """A node communicator whose ranks do not all share memory (two machines)."""
+
+    def Get_size(self):
+        return 2
+
+    def Split_type(self, kind):
+        return MPI.COMM_SELF.Dup()
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+def test_a_virtual_node_across_machines_is_an_error_on_every_rank():
+    """A virtual node that spans machines (faked on rank 0) cannot share a window: every
+    rank raises, before any window is opened."""
+    comm = world()
+    node = SpanningNode() if comm.rank == 0 else MPI.COMM_SELF
+    with pytest.raises(ValueError, match="needs every node's ranks on one machine"):
+        _shared_node(node, comm)

@@ -4,7 +4,8 @@ A ``(p, rows, D + 2)`` stack folded in rank order must give, bit for bit, what f
 ``combine_records`` in rank order gives with the compiled op's exponential (the
 kernel's own is ``merge_exp`` of ``_native_op.c``, operation for operation): every kind
 of row of ``test_merge_definition`` (empty states, -inf, NaN scores and values,
-overflow, subnormals), the flag record, one rank and none.
+overflow, subnormals), the flag record, one rank and none. Where CUDA is, the same
+cases run on the GPU (compiled, ``enable_fp_fusion=False``), held to the same bits.
 """
 
 import os
@@ -12,9 +13,12 @@ import os
 import numpy as np
 import pytest
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton defines the kernels: CPU tensors
-triton = pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton defines the kernels
+triton = pytest.importorskip("triton")
+DEVICE = "cuda" if CUDA else "cpu"
 
 import triton.language as tl  # noqa: E402
 from mpitree.adapters._triton_merge import _merge_exp, merge_stack  # noqa: E402
@@ -36,6 +40,11 @@ def quiet_invalid():
     """inf - inf and 0 * inf are part of the cases (the interpreter computes in numpy)."""
     with np.errstate(all="ignore"):
         yield
+
+
+def on_device(array):
+    """A numpy array as a torch tensor on the device the kernels run on here."""
+    return torch.from_numpy(array).to(DEVICE)
 
 
 def folded(stack):
@@ -61,35 +70,36 @@ def stack_of(p, seed, dim, dtype, flags=()):
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
 def test_kernel_is_the_rank_ordered_fold(p, dim, dtype):
     stack = stack_of(p, 3, dim, dtype)
-    got = merge_stack(torch.from_numpy(stack))
-    assert got.dtype == torch.from_numpy(stack).dtype and tuple(got.shape) == stack.shape[1:]
-    assert_same_bits(got.numpy(), folded(stack))
-    assert got.numpy()[-1, 0] == FLAG_CLEAR
+    got = merge_stack(on_device(stack))
+    assert got.dtype == on_device(stack).dtype and tuple(got.shape) == stack.shape[1:]
+    assert got.device == on_device(stack).device
+    assert_same_bits(got.cpu().numpy(), folded(stack))
+    assert got.cpu().numpy()[-1, 0] == FLAG_CLEAR
 
 
 @pytest.mark.parametrize("p, flags", [(1, {0}), (3, {1}), (4, {0, 3})])
 def test_flag_record_rides(p, flags):
     """A rank's failure flag (m = 1 on its flag record) reaches the merged flag, d = n = 0."""
     stack = stack_of(p, 5, 7, np.float32, flags)
-    got = merge_stack(torch.from_numpy(stack)).numpy()
+    got = merge_stack(on_device(stack)).cpu().numpy()
     assert_same_bits(got, folded(stack))
     assert got[-1, 0] == FLAG_FAILED and not got[-1, 1:].any()
 
 
 def test_out_none_rows_and_bad_input():
     stack = stack_of(3, 7, 7, np.float32)
-    out = torch.full(stack.shape[1:], 7.0)
-    assert merge_stack(torch.from_numpy(stack), out=out) is out
-    assert_same_bits(out.numpy(), folded(stack))
-    empty = merge_stack(torch.zeros((0, 5, 9)))  # no rank: the empty state
+    out = torch.full(stack.shape[1:], 7.0, device=DEVICE)
+    assert merge_stack(on_device(stack), out=out) is out
+    assert_same_bits(out.cpu().numpy(), folded(stack))
+    empty = merge_stack(torch.zeros((0, 5, 9), device=DEVICE))  # no rank: the empty state
     assert torch.isneginf(empty[:, 0]).all() and not empty[:, 1:].any()
-    assert merge_stack(torch.zeros((3, 0, 9))).shape == (0, 9)
+    assert merge_stack(torch.zeros((3, 0, 9), device=DEVICE)).shape == (0, 9)
     for bad in (torch.zeros((2, 3)), torch.zeros((2, 3, 4), dtype=torch.float16),
                 torch.zeros((2, 3, 1)), torch.zeros((2, 4, 3)).transpose(1, 2)):  # fmt: skip
         with pytest.raises(ValueError):
             merge_stack(bad)
     with pytest.raises(ValueError, match="out must be"):
-        merge_stack(torch.from_numpy(stack), out=torch.zeros(3, 9))
+        merge_stack(on_device(stack), out=torch.zeros(3, 9, device=DEVICE))
 
 
 @triton.jit
@@ -104,6 +114,7 @@ def _exp_kernel(x, y, n, BLOCK: tl.constexpr):
 def test_kernel_exp_is_the_compiled_ops(dtype):
     """The kernel's exponential gives ``merge_exp``'s bits on its whole input set."""
     x = exp_inputs(dtype)
-    y = torch.empty(len(x), dtype=torch.from_numpy(x).dtype)
-    _exp_kernel[(triton.cdiv(len(x), 1024),)](torch.from_numpy(x), y, len(x), BLOCK=1024)
-    assert_same_bits(y.numpy(), merge_exp(x))
+    y = torch.empty(len(x), dtype=torch.from_numpy(x).dtype, device=DEVICE)
+    grid = (triton.cdiv(len(x), 1024),)
+    _exp_kernel[grid](on_device(x), y, len(x), BLOCK=1024, enable_fp_fusion=False)
+    assert_same_bits(y.cpu().numpy(), merge_exp(x))
