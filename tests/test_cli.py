@@ -197,6 +197,7 @@ MERGE_ROWS = [
     "allreduce3 (paper's Alg. 3)",
     "allgather + local merge",
     "hierarchical (nodes of 2)",
+    "node shared window (nodes of 2)",
 ]
 # every subcommand but generate (a real model) and cluster (network namespaces), kept tiny
 SUBCOMMANDS = {

@@ -8,7 +8,7 @@ from numpy.testing import assert_allclose
 import mpitree
 
 NPROCS = [1, 2, 3, 4]
-STRATEGIES = ["allreduce", "allreduce3", "allgather", "ring", "hierarchical", "auto"]
+STRATEGIES = ["allreduce", "allreduce3", "allgather", "ring", "hierarchical", "node", "auto"]
 
 
 def shard_sizes(kind, p):
@@ -42,7 +42,7 @@ def run_case(strategy, sizes, seed=0, **kw):
     comm = world()
     prob = make_problem(seed, sizes, **kw)
     k, v, extra = prob.shard(comm.rank)
-    if strategy == "hierarchical":
+    if strategy in ("hierarchical", "node"):
         extra["node_size"] = 2  # virtual nodes of 2 ranks: p=3 gives nodes of 2 and 1
     out, lse = mpitree.tree_decode(
         prob.q, k, v, scale=prob.scale, strategy=strategy, return_lse=True, **extra

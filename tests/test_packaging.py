@@ -46,6 +46,7 @@ def test_public_api():
         "allgather",
         "ring",
         "hierarchical",
+        "node",
     }
 
 

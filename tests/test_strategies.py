@@ -22,20 +22,22 @@ from mpitree.cli import main
 from mpitree.cli.merge import merged
 
 ROOT = Path(__file__).resolve().parent.parent
-TODAY = ("allreduce", "allreduce3", "allgather", "hierarchical", "ring")
+TODAY = ("allreduce", "allreduce3", "allgather", "hierarchical", "node", "ring")
 # name: (needs_kv, uses_op, persistent, reproducible, modelled, auto_priority)
 ATTRIBUTES = {
     "allreduce": (False, True, True, False, True, 1),
     "allreduce3": (False, False, False, False, False, 3),
     "allgather": (False, False, False, True, True, 2),
     "hierarchical": (False, True, False, False, True, 0),
+    "node": (False, True, False, False, False, None),
     "ring": (True, False, False, True, True, None),
 }
 
 
 def old_op_needed(strategy, deterministic, acc, head_dim, native):
-    """``op_needed`` as 8d5d047 wrote it, the names spelled out."""
-    if deterministic or strategy not in ("auto", "allreduce", "hierarchical"):
+    """``op_needed`` as 8d5d047 wrote it, the names spelled out (and ``node``, which
+    came later and runs the op among its node leaders)."""
+    if deterministic or strategy not in ("auto", "allreduce", "hierarchical", "node"):
         return None
     if strategy == "auto" and not native:
         return None
@@ -164,6 +166,7 @@ def test_names_lists_are_generated():
         "allreduce3 (paper's Alg. 3)",
         "allgather + local merge",
         "hierarchical (nodes of real)",
+        "node shared window (nodes of real)",
     ]
 
 

@@ -1,0 +1,204 @@
+"""``node``: merge inside each node through one shared-memory window, leaders all-reduce.
+
+The host half of a merge inside a node (issue 50): the ranks of a node (real, or a
+virtual node of ``node_size`` ranks) share one MPI-3 shared-memory window holding
+every node rank's records. A step writes this rank's records (the flag record with
+them) into its slot, synchronises the node (``MPI_Win_sync``, ``MPI_Barrier``,
+``MPI_Win_sync``: what the MPI-3 unified model asks of loads after another
+process's stores), and every rank folds the node's slots in rank order with the one
+merge definition (the compiled op's C combine, else
+:func:`~mpitree._state.combine_records`). Across several nodes the leaders then
+all-reduce with the native user op and hand the result back through the window.
+Two sets of slots alternate, so that one barrier per step suffices on one node: a
+rank writing a set again has passed the barrier after which every rank finished
+reading it.
+
+The window is opened once per node communicator (the layout's, cached on the
+merger's communicator) and shared by every ``node`` merger over it, grown when a
+merger with larger records is built, and freed with the node communicator, that is
+with the merger's communicator (``MPI_Win_free`` is collective: a merger's own
+finalizer runs whenever the garbage collector finds it, at different times on
+different ranks, so it cannot free a window). Mergers over one communicator merge
+one after another in the same order on every rank (their collectives are over it),
+so one window and one alternation serve them all.
+
+It relies on today's :class:`~mpitree._strategies.Strategy`: ``merger.comm`` and
+``merger.buf`` (``(rows + 1, D + 2)`` host records, the flag last).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from mpi4py import MPI
+
+from .._library import address, native_lib
+from .._op import record_op
+from .._state import combine_records
+from .._topology import layout
+from .._traffic import traffic
+from . import Strategy, flagged, register, set_flag
+
+_keyval = None
+_lock = threading.Lock()
+
+
+class Window:
+    """A node communicator's shared window: two sets of a slot per rank and a result slot."""
+
+    def __init__(self, node):
+        self.node = node
+        self.ranks = node.Get_size()
+        self.win = None
+        self.memory = None  # the window's bytes: 2 sets of ranks + 1 slots
+        self.slot = 0  # bytes per slot (a multiple of 64)
+        self.generation = 0  # counts allocations: a merger's views are of one
+        self.parity = 0  # the set the next step writes
+
+    def fit(self, nbytes):
+        """Grow the slots to ``nbytes`` at least; collective over the node (agreed sizes)."""
+        if nbytes <= self.slot:
+            return
+        self.free()
+        nbytes = -(-nbytes // 64) * 64
+        size = 2 * (self.ranks + 1) * nbytes if self.node.Get_rank() == 0 else 0
+        win = MPI.Win.Allocate_shared(size, 1, comm=self.node)
+        win.Lock_all(MPI.MODE_NOCHECK)
+        self.memory, _ = win.Shared_query(0)
+        self.win, self.slot = win, nbytes
+        self.generation += 1
+
+    def free(self):
+        """End the passive epoch and free the window (collective over the node)."""
+        win, self.win, self.memory, self.slot = self.win, None, None, 0
+        if win is not None and not MPI.Is_finalized():
+            win.Unlock_all()
+            win.Free()
+
+
+def _delete(node, keyval, window):
+    """Attribute delete callback: free the window with its node communicator."""
+    window.free()
+
+
+def window_of(node):
+    """Return ``node``'s :class:`Window`, made on first use (cached on the communicator)."""
+    global _keyval
+    if _keyval is None:
+        with _lock:
+            if _keyval is None:
+                _keyval = MPI.Comm.Create_keyval(delete_fn=_delete)
+    window = node.Get_attr(_keyval)
+    if window is None:
+        window = Window(node)
+        node.Set_attr(_keyval, window)
+    return window
+
+
+def _shared_node(node, comm):
+    """Raise on every rank of ``comm`` unless every node's ranks can share memory."""
+    shared = node.Split_type(MPI.COMM_TYPE_SHARED)
+    fits = shared.Get_size() == node.Get_size()
+    shared.Free()
+    if not comm.allreduce(fits, op=MPI.LAND):
+        raise ValueError(
+            "strategy 'node' needs every node's ranks on one machine (shared memory); "
+            "a virtual node of node_size ranks spans machines here"
+        )
+
+
+@register
+class Node(Strategy):
+    """Every node rank's records in one shared window, merged in rank order by every rank."""
+
+    name = "node"
+    order = 4  # beside hierarchical: ties go by name, so before ring
+    summary = "a shared-memory window per node merged in rank order, leaders all-reduce"
+    label = "node shared window (nodes of {nodes})"
+    uses_op = True
+    modelled = False
+
+    def __init__(self, merger, node_size=0, persistent=True):
+        super().__init__(merger, node_size, persistent)
+        buf = merger.buf
+        self._one = self.comm.Get_size() == 1
+        if self._one:
+            return
+        lay = layout(self.comm, node_size)
+        if node_size:
+            _shared_node(lay.node, self.comm)
+        self._node, self._leaders = lay.node, lay.leaders
+        self._several = lay.nodes > 1
+        if self._several and self._leaders != MPI.COMM_NULL:
+            rec, op = record_op(buf.dtype, buf.shape[1])
+            self._spec, self._op = [buf, buf.shape[0], rec], op
+        self._window = window_of(self._node)
+        self._window.fit(buf.nbytes)
+        self._me, self._ranks, self._generation = self._node.Get_rank(), self._window.ranks, -1
+        lib = native_lib()
+        self._combine = None if lib is None else lib.mpitree_combine
+        self._bits, self._count, self._dim = 8 * buf.itemsize, buf.shape[0], buf.shape[1] - 2
+        self._buf_address = address(buf)
+
+    def _views(self):
+        """Point this merger's slots at the window's current memory (new once it grew)."""
+        window, buf, count = self._window, self.merger.buf, self._ranks + 1
+        strides = (window.slot, *buf.strides)
+        self._sets = tuple(
+            np.ndarray(
+                (count, *buf.shape), buf.dtype, window.memory, k * count * window.slot, strides
+            )
+            for k in (0, 1)
+        )
+        self._addresses = tuple([address(s) for s in slots[: self._ranks]] for slots in self._sets)
+        self._generation = window.generation
+
+    def _sync(self):
+        """Make every node rank's stores visible to every other's loads (MPI-3 unified)."""
+        win = self._window.win
+        win.Sync()
+        self._node.Barrier()
+        win.Sync()
+
+    def _fold(self, slots, addresses, buf):
+        """Merge the node's slots into ``buf`` in rank order: the one merge definition."""
+        buf[...] = slots[0]
+        combine = self._combine
+        if combine is not None:
+            bits, io, count, dim = self._bits, self._buf_address, self._count, self._dim
+            for part in addresses[1:]:
+                combine(bits, part, io, count, dim)  # io = combine_records(io, part)
+        else:
+            with np.errstate(all="ignore"):
+                for r in range(1, self._ranks):
+                    buf[...] = combine_records(buf, slots[r])
+
+    def reduce(self, local, failed):
+        """Write into this rank's slot, fold the node's slots; leaders all-reduce across nodes."""
+        buf = self.merger.buf
+        set_flag(buf, failed)
+        if self._one:
+            return flagged(buf)
+        window = self._window
+        if window.generation != self._generation:
+            self._views()
+        parity = window.parity
+        window.parity = 1 - parity
+        slots = self._sets[parity]
+        slots[self._me] = buf
+        traffic.add(buf.nbytes)
+        self._sync()
+        if not self._several:
+            self._fold(slots, self._addresses[parity], buf)
+            return flagged(buf)
+        leader = self._me == 0
+        if leader:
+            self._fold(slots, self._addresses[parity], buf)
+            traffic.add(buf.nbytes)
+            self._leaders.Allreduce(MPI.IN_PLACE, self._spec, self._op)
+            slots[self._ranks] = buf
+        self._sync()
+        if not leader:
+            buf[...] = slots[self._ranks]
+        return flagged(buf)
