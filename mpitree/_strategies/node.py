@@ -22,8 +22,8 @@ different ranks, so it cannot free a window). Mergers over one communicator merg
 one after another in the same order on every rank (their collectives are over it),
 so one window and one alternation serve them all.
 
-It relies on today's :class:`~mpitree._strategies.Strategy`: ``merger.comm`` and
-``merger.buf`` (``(rows + 1, D + 2)`` host records, the flag last).
+It merges in host memory (its buffer kinds: host or pinned): the strategy's
+``host`` records ``(rows + 1, D + 2)``, the flag last.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class Node(Strategy):
 
     def __init__(self, merger, node_size=0, persistent=True):
         super().__init__(merger, node_size, persistent)
-        buf = merger.buf
+        buf = self.host
         self._one = self.comm.Get_size() == 1
         if self._one:
             return
@@ -143,7 +143,7 @@ class Node(Strategy):
 
     def _views(self):
         """Point this merger's slots at the window's current memory (new once it grew)."""
-        window, buf, count = self._window, self.merger.buf, self._ranks + 1
+        window, buf, count = self._window, self.host, self._ranks + 1
         strides = (window.slot, *buf.strides)
         self._sets = tuple(
             np.ndarray(
@@ -176,7 +176,7 @@ class Node(Strategy):
 
     def reduce(self, local, failed):
         """Write into this rank's slot, fold the node's slots; leaders all-reduce across nodes."""
-        buf = self.merger.buf
+        buf = self.host
         set_flag(buf, failed)
         if self._one:
             return flagged(buf)
