@@ -31,8 +31,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without flash-at
 
 from mpitree import extend
 from mpitree._namespace import namespace
-from mpitree._options import dtype_name
-from mpitree._registry import needs_kv
 
 __all__ = ["local_state", "records_from_lse", "tree_decode"]
 
@@ -86,8 +84,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, block_table):
         raise ValueError(f"block_table must be (B={b}, max_blocks), got {tuple(block_table.shape)}")
     if isinstance(cache_seqlens, torch.Tensor) and tuple(cache_seqlens.shape) != (b,):
         raise ValueError(f"cache_seqlens must have shape ({b},)")
-    name = dtype_name(q.dtype)
-    return extend.Problem.of(b, hq, hkv, d, sq, name)
+    return extend.Problem.of(b, hq, hkv, d, sq, q.dtype)
 
 
 def local_state(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, softmax_scale=None):
@@ -177,7 +174,7 @@ def tree_decode(
         opts = extend.Options.resolve(
             problem.head_dim, strategy, softmax_scale, deterministic=deterministic
         )
-        if needs_kv(opts.strategy):
+        if opts.needs_kv:
             raise ValueError(f"the flash-attn adapter cannot run strategy={opts.strategy!r}")
         sig = {**problem.signature(), **opts.signature()}
         merge = (problem.rows, problem.head_dim, "float32", opts)

@@ -61,8 +61,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without JAX
     raise missing("mpitree.adapters.jax", "jax", exc) from exc
 
 from mpitree import extend
-from mpitree._options import dtype_name
-from mpitree._registry import merging_names, needs_kv
+from mpitree._registry import merging_names
 
 from . import _jax_ffi
 
@@ -189,8 +188,8 @@ def _check_qkv(q, k, v):
             )
         if x.ndim != 4:
             raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(x.shape)}")
-    names = {dtype_name(x.dtype) for x in (q, k, v)}
-    if len(names) > 1:
+    dtypes = {x.dtype for x in (q, k, v)}
+    if len(dtypes) > 1:
         raise TypeError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
@@ -205,7 +204,7 @@ def _check_qkv(q, k, v):
         raise ValueError(f"q must have no empty dimension, got shape {tuple(q.shape)}")
     if hkv == 0:
         raise ValueError(f"q heads ({hq}) must be a positive multiple of kv heads ({hkv})")
-    return extend.Problem.of(b, hq, hkv, d, sq, names.pop()), t
+    return extend.Problem.of(b, hq, hkv, d, sq, q.dtype), t
 
 
 def _int_array(name, x, shape):
@@ -487,7 +486,7 @@ def _attend(comm, inputs, prepare, masking, strategy):
         problem, t = _check_qkv(q, k, v)
         lens, vis = _visibility(problem, t, **masking)
         opts = extend.Options.resolve(problem.head_dim, strategy, scale)
-        if needs_kv(opts.strategy):
+        if opts.needs_kv:
             raise ValueError(
                 f"strategy {opts.strategy!r} moves K/V between ranks; the JAX adapter merges "
                 f"states: use one of {merging_names()}"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._registry import AUTO, REGISTRY, strategy_names
+from ._registry import AUTO, REGISTRY, needs_kv, strategy_names
 
 FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
 NODE_SIZE_ENV = "MPITREE_NODE_SIZE"
@@ -163,6 +163,14 @@ class Options:
             check_flag("validate", validate),
             resolve_block_size(block_size, deterministic),
         )
+
+    @property
+    def needs_kv(self) -> bool:
+        """Whether the strategy moves keys and values between ranks, not only records (``ring``).
+
+        An adapter that merges records alone refuses such a strategy in its checks.
+        """
+        return needs_kv(self.strategy)
 
     def signature(self) -> dict:
         """Return the fields every rank must agree on."""

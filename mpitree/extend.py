@@ -31,8 +31,9 @@ The adapter's recipe:
   :func:`check_comm` checks the communicator, the one check that cannot be agreed.
 - ``prepare()`` runs every local check and returns a :class:`Call`: the
   signature every rank must agree on (:class:`Problem` gives a decode's,
-  :class:`Options` validates the strategy and the scale), what the adapter needs
-  afterwards, and the merger it needs.
+  :class:`Options` validates the strategy and the scale, and ``opts.needs_kv`` says
+  whether the strategy moves K/V, which an adapter that merges records refuses),
+  what the adapter needs afterwards, and the merger it needs.
 - :func:`agree_merger` is the whole recipe after that: one agreement collective
   whose verdict raises on every rank when any rank's checks failed, then the
   agreed strategy's shared merger (``"auto"`` resolved with the agreed native-op

@@ -86,6 +86,17 @@ def test_the_surface_is_small_and_every_name_documented():
         assert f"tools.{name}" in source.split("tools = _Tools(")[0], name
 
 
+@pytest.mark.parametrize("strategy", mpitree.STRATEGIES)
+def test_options_say_whether_the_strategy_moves_keys_and_values(strategy):
+    """``Options.needs_kv``: what an adapter that merges records refuses (``ring``), as the
+    strategy's own class says; ``"auto"`` never picks one."""
+    from mpitree import _registry
+
+    cls = _registry.REGISTRY.get(strategy)
+    assert extend.Options.resolve(8, strategy).needs_kv is bool(cls and cls.needs_kv)
+    assert extend.Options.resolve(8, "ring").needs_kv and not extend.Options.resolve(8).needs_kv
+
+
 def test_phase_times_times_each_phase_and_leaves_nothing_behind():
     q, k, v = arrays()
     before = originals()

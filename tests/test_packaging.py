@@ -343,3 +343,30 @@ def test_sdist_holds_every_c_source_the_build_names(tmp_path):
     assert built == c_files, (sorted(c_files - built), sorted(built - c_files))
     want = c_files | headers | {"pyproject.toml", "setup.cfg", "setup.py"}
     assert headers and not want - names, f"the sdist lacks {sorted(want - names)}"
+
+
+def test_generate_command_uses_the_transformers_adapters_public_names_only():
+    """``mpitree generate`` (``mpitree/cli/``) reaches the transformers adapter through its
+    ``__all__`` alone: no private module, no name outside it (``mtt.<name>`` included)."""
+    adapter = "mpitree.adapters.transformers"
+    init = ast.parse((ROOT / "adapters" / "transformers" / "__init__.py").read_text())
+    public = next(
+        set(ast.literal_eval(node.value))
+        for node in init.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "__all__"
+    )
+    wrong = []
+    for path in sorted((ROOT / "mpitree" / "cli").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(adapter):
+                names = {alias.name for alias in node.names}
+                if node.module != adapter or not names <= public:
+                    wrong.append((path.name, node.module, sorted(names)))
+            elif isinstance(node, ast.Import):
+                inside = [a.name for a in node.names if a.name.startswith(adapter + ".")]
+                wrong += [(path.name, name) for name in inside]
+            elif isinstance(node, ast.Attribute) and node.attr not in public:
+                owner = node.value
+                if getattr(owner, "id", None) == "mtt" or getattr(owner, "attr", None) == "mtt":
+                    wrong.append((path.name, f"mtt.{node.attr}"))
+    assert not wrong, wrong

@@ -21,7 +21,7 @@ from mpitree._registry import needs_kv
 from mpitree._step import Attention, KernelSlot
 from mpitree._traffic import hook as phase_hook
 
-from ._cache import HANDOFF, foreign_shard, take_view
+from ._cache import View, claim, foreign_shard
 from ._prefill import reserve, sharded_attention
 
 
@@ -747,7 +747,7 @@ def _bound_step(view, query, key, value, mask, scaling, lane=False):
 
     Returns the ``(B, Sq, Hq, D)`` float32 output, or None (nothing ran). With
     ``lane`` (:func:`_one_call`, outside the guard) it runs only the one compiled
-    call, and takes the update's view from its slot. Never raises before the merge,
+    call. Never raises before the merge,
     whatever the arguments (a query that is not exactly a ``torch.Tensor``, or a
     scaling other than the bound float or None, takes the checked path).
     """
@@ -780,8 +780,8 @@ def _bound_step(view, query, key, value, mask, scaling, lane=False):
         or torch.is_grad_enabled()
     ):
         return None
-    if lane:
-        HANDOFF.view = None  # the call takes the update's view, as the guarded call does
+    if lane:  # the call takes a view-less update's view, as the guarded call does
+        layer.sharding.unclaimed = None
     bound = fast.bound
     call = bound.call
     call.q, call.t = query.data_ptr(), step.t
@@ -808,7 +808,18 @@ def _fast_attention(view, query, key, value, mask, scaling):
     return _bound_step(view, query, key, value, mask, scaling)
 
 
-def _one_call(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+def _one_call(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    *,
+    mpitree_shard=None,
+    **kw,
+):
     """:func:`attention_interface`'s lane: a later decode layer's one compiled call, or None.
 
     It runs where the step's agreement already ran (in its first layer), the
@@ -818,17 +829,17 @@ def _one_call(module, query, key, value, attention_mask, scaling=None, dropout=0
     first). Otherwise it returns None, and the guarded call runs instead: so
     do arguments that :func:`_unsupported` might refuse (a dropout other than
     an int or float 0, a keyword outside ``_PASS``, a sliding window without a
-    mask), and arguments whose comparisons raise. It looks the update's view up
-    in the slot itself, as
-    :func:`~._cache.take_view` does: this runs in every later layer, where each
-    Python call costs about a microsecond.
+    mask), arguments whose comparisons raise, and a call without its update's
+    view. It checks the ``mpitree_shard`` view itself, as :func:`~._cache.claim`
+    does: this runs in every later layer, where each Python call costs about a
+    microsecond; without one it looks up a view-less update's (``claim``).
     """
-    view = getattr(HANDOFF, "view", None)
+    view = claim(key, take=False) if mpitree_shard is None else mpitree_shard
     # a keyword name (a str subclass) whose == raises only against some names gets past
     # binding and raises in the set test: the guarded call says why
     try:
         if (
-            view is None
+            type(view) is not View
             or view.keys is not key
             or (type(dropout) is not float and type(dropout) is not int)  # no __eq__ runs
             or dropout
@@ -843,7 +854,18 @@ def _one_call(module, query, key, value, attention_mask, scaling=None, dropout=0
 
 
 @extend.entry_point(lane=_one_call)
-def attention_interface(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+def attention_interface(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    *,
+    mpitree_shard=None,
+    **kw,
+):
     """Attend over every rank's shard (transformers' ``AttentionInterface`` entry).
 
     Parameters
@@ -865,6 +887,14 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
         Score scale; default ``D ** -0.5``.
     dropout : float
         Must be 0 (inference only).
+    mpitree_shard : optional
+        The view of this rank's shard that :class:`ShardedCache`'s update put in
+        the layer's attention keywords (transformers passes them to the cache
+        update, then to the attention): never given by hand. Without it, the
+        shard's view is the one the cache's last update in this thread left,
+        when that update returned ``key`` (a model that gives its cache update
+        no attention keywords, or ``cache.update`` then this function called
+        directly); K/V of a ShardedCache attended otherwise raise on every rank.
     **kw
         transformers' extra arguments. ``softcap``, ``s_aux`` (attention sinks)
         and ``position_bias`` must be None; a ``sliding_window``, or
@@ -889,10 +919,10 @@ def attention_interface(module, query, key, value, attention_mask, scaling=None,
     mpitree's default communicator, so every rank must run the forward (a rank
     with a ShardedCache while another has none raises on every rank).
     """
-    view = take_view(key)
+    view = claim(key, mpitree_shard)
     error = _unsupported(attention_mask, dropout, kw)
     if view is None:
-        error = error or foreign_shard(key)
+        error = error or foreign_shard(key, mpitree_shard)
         out = _unsharded(query, key, value, attention_mask, scaling, error)
         return out.transpose(1, 2).contiguous(), None
     view.error = view.error or error

@@ -77,6 +77,9 @@ class Sharding:
     recipe: object = None
     # (index, device, tensor [index]) of the last decode step's token: every layer's
     token_memo: tuple | None = None
+    # (View, thread id) of the last update given no attention keywords to carry its view,
+    # until an attention call in that thread claims it (see :func:`claim`)
+    unclaimed: tuple | None = None
     layers: int = 0  # the cache's layer count: a step's outputs are allocated together
     # a digest of the cache's batch operations and crops since it was made or reset, with
     # their arguments: agreed at each step, so a rank that ran one alone raises on every rank
@@ -89,7 +92,7 @@ class Sharding:
     def __deepcopy__(self, memo):
         """Copy the state and share the communicator (MPI communicators are never copied)."""
         twin = copy.copy(self)
-        twin.pending = twin.captured = None
+        twin.pending = twin.captured = twin.unclaimed = None
         twin.step = Step(-1)
         twin.history = copy.deepcopy(self.history, memo)
         return twin
@@ -212,7 +215,7 @@ class Sharding:
 
 @dataclass
 class View:
-    """What the attention function needs about one layer's step (see :func:`take_view`)."""
+    """What the attention function needs about one layer's step (see :func:`claim`)."""
 
     keys: torch.Tensor  # the very tensor the layer's update returned
     layer: ShardedLayer
@@ -223,39 +226,73 @@ class View:
     error: Exception | None = None  # the cache update failed on this rank: raised in the guard
 
 
-# The slot: .view is the View of the last update in this thread until an attention call
-# takes it (take_view; a later decode layer's one-call lane reads and clears it inline)
-HANDOFF = threading.local()
+#: The attention keyword that carries a layer's :class:`View` from its cache update to its
+#: attention call. transformers passes a layer's attention keyword arguments to the cache
+#: update (``cache.update(k, v, layer_idx, kwargs=kwargs)``) and then the same dict to the
+#: attention (``attention_interface(..., **kwargs)``): :meth:`ShardedLayer.update` puts the
+#: view there, so the keys and their view reach attention as arguments.
+SHARD = "mpitree_shard"
 # Weak references to every ShardedLayer of the process, copies and unpickled ones included
-# (foreign_shard). A plain set: adding, a dead reference's discard and copying are each one
-# C call, so a layer collected in another thread never changes it mid-copy (a WeakSet's
+# (foreign_shard, claim). A plain set: adding, a dead reference's discard and copying are each
+# one C call, so a layer collected in another thread never changes it mid-copy (a WeakSet's
 # own removal callback did, on Python 3.10)
 _LAYERS = set()
 
 
-def _hand_over(view):
-    """Leave ``view`` for the attention call that follows the update."""
-    HANDOFF.view = view
+def _layers():
+    """Return the process's live :class:`ShardedLayer` objects (a snapshot)."""
+    return [layer for layer in (ref() for ref in _LAYERS.copy()) if layer is not None]
 
 
-def foreign_shard(key):
-    """Return an error if ``key`` is a :class:`ShardedLayer`'s shard, or None.
+def claim(key, shard=None, take=True):
+    """Return the :class:`View` of the update that returned ``key``, or None.
 
-    Called where no update just before, in this thread, returned ``key``: such
-    keys reached attention without it. One layer's K/V reused by another
-    layer's attention (KV sharing, e.g. Gemma3n), attended after another
-    layer's update, or in another thread than their update's. Each rank holds
-    only its shard of them, so attending them locally would be silently wrong.
-    Every layer of the process is looked at (only where attention is not over
-    a ShardedCache step).
+    ``shard`` is the attention's :data:`SHARD` argument: the view its update put
+    in transformers' attention keywords, taken when its keys are ``key``. Without
+    one (a direct ``update`` then attention call, or a model that gives its update
+    no attention keywords), the view is the one the cache's last update in this
+    thread left, if that update returned ``key``; ``take`` takes it (a second call
+    over the same K/V gets none; the one-call lane takes it only once it runs).
+    Never raises; :func:`foreign_shard` says why a call got no view.
     """
+    if shard is not None:
+        return shard if type(shard) is View and shard.keys is key else None
+    thread = threading.get_ident()
+    for layer in _layers():
+        sharding = getattr(layer, "sharding", None)
+        left = getattr(sharding, "unclaimed", None)
+        if left is not None and left[0].keys is key and left[1] == thread:
+            if take:
+                sharding.unclaimed = None
+            return left[0]
+    return None
+
+
+def foreign_shard(key, shard=None):
+    """Return the error of an attention call that :func:`claim` found no view for, or None.
+
+    With a ``shard`` argument, its keys were not ``key``: the model changed the
+    K/V between its cache update and its attention call. Without one, an error
+    if ``key`` is a :class:`ShardedLayer`'s shard: one layer's K/V reused by
+    another layer's attention (KV sharing, e.g. Gemma3n), attended after another
+    layer's update, or in another thread than a view-less update's. Each rank
+    holds only its shard of them, so attending them locally would be silently
+    wrong. Every layer of the process is looked at (only where attention is not
+    over a ShardedCache step); None for K/V of no ShardedCache.
+    """
+    if shard is not None:
+        return ValueError(
+            f"ShardedCache: the attention's {SHARD} argument is not the view of the cache "
+            "update that returned its keys (did the model change the keys between its cache "
+            "update and its attention call?)"
+        )
     if not _LAYERS or key.device.type == "meta":
         return None
     storage = key.untyped_storage().data_ptr()
     if not storage:  # no memory (no keys): nothing of a shard
         return None
-    for ref in _LAYERS.copy():
-        keys = getattr(ref(), "keys", None)  # read once: reset() in another thread clears it
+    for layer in _layers():
+        keys = getattr(layer, "keys", None)  # read once: reset() in another thread clears it
         if (
             isinstance(keys, torch.Tensor)
             and keys.device == key.device
@@ -263,27 +300,12 @@ def foreign_shard(key):
         ):
             return ValueError(
                 "ShardedCache: an attention call got a cache layer's K/V other than the "
-                "ones its own cache update just returned, in this thread (one layer's K/V "
-                "shared with later layers, as Gemma3n's KV sharing does, attended after "
-                "another layer's update, or in another thread); each rank holds only its "
+                "ones its own cache update just returned (one layer's K/V shared with "
+                "later layers, as Gemma3n's KV sharing does, attended after another "
+                "layer's update, or in another thread); each rank holds only its "
                 "shard of them: not supported"
             )
     return None
-
-
-def take_view(key):
-    """Return the :class:`View` of the update that returned ``key``, or None; clear the slot.
-
-    transformers calls a layer's attention with exactly the tensors its cache update
-    returned, so a ShardedCache step is recognised by identity: nothing is attached
-    to the tensors (they pickle and save like any tensor, and keep no layer alive).
-    An attention call takes the view: the slot is empty after it.
-    """
-    view = getattr(HANDOFF, "view", None)
-    if view is None or view.keys is not key:
-        return None
-    HANDOFF.view = None
-    return view
 
 
 def _prefix_of(x, buffer):
@@ -341,8 +363,12 @@ class ShardedLayer(CacheLayerMixin):
         self.positions = self.positions.to(self.device)
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        """Store the new tokens this rank owns; return the shard with its :class:`View`.
+    def update(self, key_states, value_states, *args, kwargs=None, **ignored):
+        """Store the new tokens this rank owns; return the shard; hand its :class:`View` on.
+
+        The view goes into ``kwargs``, the layer's attention keywords as transformers
+        passes them (``kwargs=kwargs``), under :data:`SHARD`; without them, to the
+        cache for the next attention call in this thread (see :func:`claim`).
 
         Never raises: a failure (a batch size that changed, a bad prefill step) is
         handed to the attention function with the step's :class:`View` and raised
@@ -360,7 +386,11 @@ class ShardedLayer(CacheLayerMixin):
         else:
             keys, values = view.keys, self.values
         view.step = self.sharding.step
-        _hand_over(view)
+        if type(kwargs) is dict:
+            kwargs[SHARD] = view
+            self.sharding.unclaimed = None  # the last update's view is this one, in hand
+        else:
+            self.sharding.unclaimed = (view, threading.get_ident())
         return keys, values
 
     def _join_step(self):
@@ -626,7 +656,7 @@ class ShardedCache(Cache):
         while len(self.layers) <= layer_idx:
             self.layers.append(ShardedLayer(self.sharding))
             self.sharding.layers = len(self.layers)
-        return self.layers[layer_idx].update(key_states, value_states)
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def crop(self, tokens_to_remove):
         """Drop the last ``-tokens_to_remove`` global tokens of every layer (negative count).
