@@ -99,7 +99,7 @@ def check_qkv(q, k, v, *, names=("q", "k", "v")):
     devices = {ns.device(x) for x in (q, k, v)}
     if len(devices) > 1:
         raise ValueError(f"{', '.join(names)} are on different devices: {sorted(devices)}")
-    qs, ks = _shape(q), _shape(k)
+    qs, ks = tuple(int(s) for s in q.shape), _shape(k)
     if ks != _shape(v):
         raise ValueError(f"{names[1]} and {names[2]} shapes differ: {ks} vs {_shape(v)}")
     b, hq, sq, d = qs

@@ -22,7 +22,8 @@ from ._namespace import Array
 from ._options import INVARIANT, Options
 from ._runtime import limit_blas_threads
 from ._state import finish
-from ._step import KernelSlot, local_attention, validated
+from ._step import validated
+from ._steps import Step
 
 FAST_PATH = True  # plans skip re-validating an unchanged layout (False: benchmarks, tests)
 _full_blocks = 0  # open extend.tools.full_checks blocks: FAST_PATH is (_full_blocks == 0)
@@ -125,8 +126,7 @@ class DecodePlan:
         self.comm = comm
         self._ranks = comm.Get_size()  # for repr, which may run after MPI.Finalize()
         limit_blas_threads()
-        self._lazy = _LazyStep(self)
-        self._kernel = KernelSlot()  # bound to the layout of the last step that passed the checks
+        self._step = Step(call, self.problem, self.options)  # its kernel: the last checked layout
 
     @property
     def scale(self) -> float:
@@ -190,8 +190,8 @@ class DecodePlan:
         if self.options.validate:
             step = agree(self.comm, lambda: self._validated(args)).payload
         else:
-            step = self._lazy
-            step.args, step.step = args, None
+            step = self._step
+            step.args, step.checked, step.fast = args, None, FAST_PATH
         if kv_start is not None or kv_blocks is not None:  # refused inside the merge's guard
             step = functools.partial(_placement_unused, kv_start, kv_blocks)
         records = self._merger.merge(step)
@@ -206,22 +206,15 @@ class DecodePlan:
 
         def local():
             check_arithmetic(self._arithmetic)
-            step = checked if checked is not None else self._step(args)
+            step = checked if checked is not None else self._step.check(args)
             return invariant_pieces(step, opts.block_size, kv_start, kv_blocks, problem.acc)
 
         records = self._merger.merge(local)
         return finish(records.reshape(*problem.row_shape, -1), args[0], return_lse, inputs=args[:3])
 
-    def _step(self, args):
-        """Check one step's inputs against the plan; return its :class:`Attention`."""
-        problem, step = local_attention(*args, self.options.scale)
-        if problem != self.problem:
-            raise ValueError(f"inputs {problem} do not match the plan's {self.problem}")
-        return step
-
     def _validated(self, args):
         """Validate mode: the step's :class:`Call`, with finiteness and q's checksum."""
-        step = self._step(args)
+        step = self._step.check(args)
         sig = validated(step, {**self.problem.signature(), **self.options.signature()})
         if self.options.deterministic == INVARIANT:
             invariant_signature(sig)
@@ -240,56 +233,6 @@ class DecodePlan:
 
     def __repr__(self):
         return f"DecodePlan({self.problem}, strategy={self.strategy!r}, ranks={self._ranks})"
-
-
-class _LazyStep:
-    """A plan step whose local checks run inside the merge's guard (no extra collective).
-
-    Fast path: when a step has the layout (:func:`_layout`) of the last step that
-    passed the full checks, and no positions or mask, only what can change within
-    a layout is checked (:meth:`KernelSlot.step`: K and V lengths agree, the
-    step is not a prompt, ``kv_len`` in range) and the plan's bound kernel runs.
-    Any other step takes the full checks.
-    """
-
-    def __init__(self, plan):
-        self.plan, self.args, self.step = plan, None, None
-        self.q_len = plan.problem.q_len  # the ring sizes its incoming visibility blocks by it
-
-    def fill(self, records):
-        """Validate against the plan, then compute this shard's state."""
-        plan, args = self.plan, self.args
-        if (
-            FAST_PATH
-            and args[4] is None
-            and args[5] is None
-            and args[6] is None
-            and plan._kernel.step(args[0], args[1], args[2], args[3], records)
-        ):
-            return
-        plan._kernel.unbind()
-        self.step = plan._step(args)
-        self.step.fill(records)
-        if (
-            args[4] is None
-            and args[5] is None
-            and args[6] is None
-            and records.dtype == np.float32
-            and records.flags.c_contiguous
-        ):
-            plan._kernel.bind(self.step, args[3])  # no positions or mask: the next steps' kernel
-
-    def block(self):
-        """See :meth:`Attention.block`."""
-        if self.step is None:  # the fast path ran: the ring needs the checked step
-            self.step = self.plan._step(self.args)
-        return self.step.block()
-
-    def attend_block(self, *args):
-        """See :meth:`Attention.attend_block`."""
-        if self.step is None:
-            self.step = self.plan._step(self.args)
-        self.step.attend_block(*args)
 
 
 def plan_merger(plan):

@@ -72,7 +72,7 @@ def entry_point(fn=None, *, lane=None):
     that asks ``MPI_Finalized`` itself. It is for a call whose checks an earlier
     agreement made: a decode layer's one compiled call after its step's first
     layer agreed (:meth:`Merger.merge_layer`: no agreement), or a recurring
-    one-shot call (``_oneshot_lane``: the same agreement as ``fn``'s, in C).
+    one-shot call's bound step (``_steps.Step``: the same agreement as ``fn``'s, in C).
     """
     if fn is None:
         return functools.partial(entry_point, lane=lane)
