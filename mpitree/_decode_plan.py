@@ -22,7 +22,6 @@ from ._namespace import Array
 from ._options import INVARIANT, Options
 from ._runtime import limit_blas_threads
 from ._state import finish
-from ._step import validated
 from ._steps import Step
 
 FAST_PATH = True  # plans skip re-validating an unchanged layout (False: benchmarks, tests)
@@ -185,40 +184,28 @@ class DecodePlan:
             plan; the plan stays usable.
         """
         args = (q, k, v, kv_len, q_pos, k_pos, mask)
-        if self.options.deterministic == INVARIANT:
-            return self._invariant(args, kv_start, kv_blocks, return_lse)
-        if self.options.validate:
-            step = agree(self.comm, lambda: self._validated(args)).payload
-        else:
-            step = self._step
-            step.args, step.checked, step.fast = args, None, FAST_PATH
-        if kv_start is not None or kv_blocks is not None:  # refused inside the merge's guard
-            step = functools.partial(_placement_unused, kv_start, kv_blocks)
-        records = self._merger.merge(step)
-        return finish(records.reshape(*self.problem.row_shape, -1), q, return_lse, inputs=args[:3])
-
-    def _invariant(self, args, kv_start, kv_blocks, return_lse):
-        """One ``deterministic="invariant"`` step: leaves, pieces, the canonical tree."""
-        problem, opts = self.problem, self.options
+        opts, step = self.options, self._step
         checked = None
         if opts.validate:
-            checked = agree(self.comm, lambda: self._validated(args)).payload
-
-        def local():
-            check_arithmetic(self._arithmetic)
-            step = checked if checked is not None else self._step.check(args)
-            return invariant_pieces(step, opts.block_size, kv_start, kv_blocks, problem.acc)
-
+            checked = agree(self.comm, functools.partial(step.validated, args)).payload
+        if opts.deterministic == INVARIANT:  # leaves, pieces, the canonical tree
+            local = functools.partial(self._pieces, args, checked, kv_start, kv_blocks)
+        elif kv_start is not None or kv_blocks is not None:  # refused inside the merge's guard
+            local = functools.partial(_placement_unused, kv_start, kv_blocks)
+        elif checked is not None:
+            local = checked
+        else:
+            local = step
+            step.args, step.checked, step.fast = args, None, FAST_PATH
         records = self._merger.merge(local)
-        return finish(records.reshape(*problem.row_shape, -1), args[0], return_lse, inputs=args[:3])
+        return finish(records.reshape(*self.problem.row_shape, -1), q, return_lse, inputs=args[:3])
 
-    def _validated(self, args):
-        """Validate mode: the step's :class:`Call`, with finiteness and q's checksum."""
-        step = self._step.check(args)
-        sig = validated(step, {**self.problem.signature(), **self.options.signature()})
-        if self.options.deterministic == INVARIANT:
-            invariant_signature(sig)
-        return Call(sig, step)
+    def _pieces(self, args, checked, kv_start, kv_blocks):
+        """Return a ``deterministic="invariant"`` step's local work: this shard's pieces."""
+        check_arithmetic(self._arithmetic)
+        att = checked if checked is not None else self._step.check(args)
+        opts = self.options
+        return invariant_pieces(att, opts.block_size, kv_start, kv_blocks, self.problem.acc)
 
     def free(self) -> None:
         """Release the plan's MPI request (buffers go with the object)."""

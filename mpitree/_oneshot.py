@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -18,7 +19,7 @@ from ._registry import REGISTRY
 from ._runtime import limit_blas_threads
 from ._state import State, finish, trusted_state
 from ._step import _layout, prepare_attention
-from ._steps import STEPS, Layout, Step, merged_state, options_key, remember
+from ._steps import STEPS, Layout, merged_state, options_key, remember
 
 # the entry points' own names: a step's compiled form is bound only from an outermost call
 _DECODE_ENTRY, _STATE_ENTRY = f"{__name__}.tree_decode", f"{__name__}.allreduce_state"
@@ -65,14 +66,16 @@ def _decode_step(
         return None
     try:
         options = options_key(strategy, scale, deterministic, node_size)
-        step = STEPS.get(Layout(_DECODE_ENTRY, id(comm), options, _layout(q, k, v, None)))
+        # a plain tuple equal to the Layout (a Layout is one): no constructor on the hot path
+        step = STEPS.get((_DECODE_ENTRY, id(comm), options, _layout(q, k, v, None), None))
         merger = None if step is None else step.open(comm)
         out = None if merger is None else step.decode_into(q, k, v)
         if out is None:
             return None
+        target = address(out)
     except Exception:  # nothing has communicated: the guarded path decides
         return None
-    settled = step.finish(merger, out, lambda call: step.decoded(call, q, k, v))
+    settled = step.finish(merger, target, lambda call: step.decoded(call, q, k, v))
     return out if settled is None else settled
 
 
@@ -83,15 +86,15 @@ def _state_step(state, comm=None, strategy="auto", *, deterministic=False, node_
     try:
         records = state.records if type(state) is State else None
         options = options_key(strategy, None, deterministic, node_size)
-        step = STEPS.get(Layout(_STATE_ENTRY, id(comm), options, records.shape, records.dtype))
+        step = STEPS.get((_STATE_ENTRY, id(comm), options, records.shape, records.dtype))
         merger = None if step is None else step.open(comm)
         if merger is None or type(records) is not np.ndarray or not records.flags.c_contiguous:
             return None
         out = np.empty(records.shape, np.float32)
-        step.struct.source = address(records)
+        step.struct.source, target = address(records), address(out)
     except Exception:  # nothing has communicated: the guarded path decides
         return None
-    settled = step.finish(merger, out, lambda call: step.state(call, records))
+    settled = step.finish(merger, target, lambda call: step.state(call, records))
     return trusted_state(out) if settled is None else settled
 
 
@@ -233,40 +236,33 @@ def tree_decode(
     call, merger = agree_merger(comm, prepare, like=_staged(q))
     problem, opts, step, blocks = call.payload
     limit_blas_threads()
-    if blocks is not None:
+    if blocks is not None:  # invariant mode: the leaves of its blocks, as pieces
+        step = functools.partial(_leaf_pieces, step, blocks, opts.block_size, problem.acc)
+    records = merger.merge(step).reshape(*problem.row_shape, -1)
+    if layout is not None and blocks is None:
+        _keep_decode(layout, call, comm_arg, comm, merger, return_lse)
+    return finish(records, q, return_lse, inputs=(q, k, v))
 
-        def local():
-            return local_pieces(blocks, leaf_records(step, opts.block_size, len(blocks), acc))
 
-        acc = problem.acc
-        records = merger.merge(local)
-    else:
-        records = merger.merge(step)
-        if layout is not None:
-            _keep_decode(layout, call, comm_arg, comm, merger, return_lse)
-    return finish(records.reshape(*problem.row_shape, -1), q, return_lse, inputs=(q, k, v))
+def _leaf_pieces(att, blocks, block_size, acc):
+    """Return an invariant-mode call's local work: its blocks' leaf records, as pieces."""
+    return local_pieces(blocks, leaf_records(att, block_size, len(blocks), acc))
 
 
 def _keep_decode(layout, call, comm_arg, comm, merger, return_lse):
     """After a guarded ``tree_decode`` of ``layout``: its :class:`Step`, bound where it may."""
-
-    def make():
-        problem, opts, att, _ = call.payload
-        step = Step(call, problem, opts)
-        return step if step.kernel.bind(att) else None
-
-    step = remember(layout, make)
+    step = remember(layout, call)
     entry = current_entry()
     if step is not None and not return_lse and entry == _DECODE_ENTRY:
-        step.bind(comm_arg, comm, merger, entry)
+        step.bind(call, comm_arg, comm, merger, entry)
 
 
 def _keep_state(layout, call, comm_arg, comm, merger):
     """After a guarded ``allreduce_state`` of ``layout``: its :class:`Step`, bound where it may."""
-    step = remember(layout, lambda: Step(call, None))
+    step = remember(layout, call)
     entry = current_entry()
     if step is not None and entry == _STATE_ENTRY:
-        step.bind(comm_arg, comm, merger, entry)
+        step.bind(call, comm_arg, comm, merger, entry)
 
 
 @entry_point(lane=_state_step)

@@ -42,13 +42,13 @@ import numpy as np
 from mpi4py import MPI
 
 from ._agreed import agreed_merger, kept
-from ._guard import Call, _encoding, _entry, settle
+from ._guard import _VECTOR, Call, _encoding, _entry, settle
 from ._library import StepArgs, StepCode, StepLocal, StepOutput, address, bind_call, native_lib
 from ._options import NODE_SIZE_ENV
 from ._registry import needs_kv
 from ._runtime import mpi_calls
 from ._state import finish, trusted_state
-from ._step import KernelSlot, local_attention
+from ._step import KernelSlot, local_attention, validated
 from ._step_code import settle_code
 from ._traffic import hook, traffic
 
@@ -141,17 +141,16 @@ class Step:
         "checked",
         "comm",
         "comm_arg",
-        "enc",
         "entry",
         "fast",
         "kept",
         "kernel",
         "merger",
+        "nbytes",
         "options",
         "problem",
         "rows",
         "run",
-        "sent",
         "struct",
     )
 
@@ -162,9 +161,23 @@ class Step:
         self.rows = None if problem is None else problem.row_shape
         self.args = self.checked = None  # a plan step's arguments, and their checked Attention
         self.fast = True  # whether a plan step may skip the checks of an unchanged layout
-        self.comm_arg = self.comm = self.entry = self.enc = self.kept = None
+        self.comm_arg = self.comm = self.entry = self.kept = None
         self.merger = None  # a weak reference to the merger the compiled form was tried with
-        self.struct, self.run, self.sent = None, None, 0
+        self.struct, self.run, self.nbytes = None, None, 0
+
+    @classmethod
+    def of(cls, call):
+        """Return the step of a one-shot call just agreed and merged, or None.
+
+        ``tree_decode``'s (``call.payload`` ``(problem, options, Attention, None)``)
+        where its kernel binds (:meth:`KernelSlot.bind`: host float32, not a
+        prompt); ``allreduce_state``'s (no payload) always.
+        """
+        if call.payload is None:
+            return cls(call)
+        problem, options, att, _ = call.payload
+        step = cls(call, problem, options)
+        return step if step.kernel.bind(att) else None
 
     # ------------------------------------------------------------------ prepare
     def check(self, args):
@@ -176,6 +189,11 @@ class Step:
         if problem != self.problem:
             raise ValueError(f"inputs {problem} do not match the plan's {self.problem}")
         return att
+
+    def validated(self, args):
+        """Validate mode: a plan step's :class:`Call`, with finiteness and q's checksum."""
+        att = self.check(args)
+        return Call(validated(att, dict(self.call.signature)), att)
 
     def prepare(self, q=None, k=None, v=None):
         """Return a later one-shot call's :class:`Call` (guarded path), or None (full checks).
@@ -194,24 +212,28 @@ class Step:
         return Call(call.signature, payload, op=call.op, key=call.key, merge=call.merge)
 
     # --------------------------------------------------------------------- bind
-    def bind(self, comm_arg, comm, merger, entry):
+    def bind(self, agreed, comm_arg, comm, merger, entry):
         """After an outermost one-shot call: bind the compiled form, once per merger.
 
-        It binds where the compiled library is there, every rank has the native op,
-        and the merger merges float32 records in one persistent all-reduce (or there
-        is one rank); otherwise later calls take the guarded path.
+        ``agreed`` is that call's :class:`Call` (agreed under ``entry``: the vector
+        it sent is the one the compiled form sends). It binds where the compiled
+        library is there, every rank has the native op, and the merger merges
+        float32 records in one persistent all-reduce (or there is one rank);
+        otherwise later calls take the guarded path.
         """
         if self.merger is not None and self.merger() is merger and self.comm_arg is comm_arg:
             return  # bound, or tried, with this merger already
         self.comm_arg, self.comm, self.entry = comm_arg, comm, entry
         self.merger, self.run = weakref.ref(merger), None
-        call = self.call
-        enc = self.enc = _encoding(entry, call)
+        call = agreed
+        sent = call.sent
         last = self.kept = kept(call)
         if (
             native_lib() is None
             or not call.native
-            or enc.native != call.native
+            or sent is None
+            or call.counts
+            or _VECTOR.unpack(sent)[1] != call.native
             or len(_HANDLE_BYTES) != 1
             or last is None
             or last.merger() is not merger
@@ -224,7 +246,7 @@ class Step:
             struct.local, struct.output = StepLocal.KERNEL, StepOutput.HEADS
             self.kernel.point(struct)
         struct.rec, struct.nbytes = address(merger.records), merger.records.nbytes
-        struct.sent[:] = np.frombuffer(enc.sent, np.int64).tolist()
+        struct.sent[:] = _VECTOR.unpack(sent)
         if not merger.bind_layer(self) or (struct.start and mpi_calls()[3] is None):
             return
         self.run = bind_call(native_lib().mpitree_step_run, struct)  # run(out) -> a StepCode
@@ -241,7 +263,7 @@ class Step:
         finalized, start, wait, request, flag = collective
         struct.finalized, struct.start, struct.wait = finalized, start, wait
         struct.request, struct.flag = request, flag
-        self.sent = merger.buf.nbytes if start is not None else 0  # bytes counted per merge
+        self.nbytes = merger.buf.nbytes if start is not None else 0  # bytes counted per merge
         if start is not None:
             struct.allreduce = mpi_calls()[3] or 0
             struct.handle_bytes = size = MPI._sizeof(MPI.Comm)
@@ -328,22 +350,23 @@ class Step:
         return out
 
     def finish(self, merger, out, merged):
-        """Run the compiled form into array ``out``; return None if it merged, else settle.
+        """Run the compiled form into address ``out``; return None if it merged, else settle.
 
         After a nonzero code every rank raises, or (the native op not everywhere)
         ``merged(call)`` is the call's result. Where every rank agreed (codes 0 to
         2), the merger is marked used and its bytes counted, as the guarded path
         does after its agreement: every rank marks it, so that caches evict alike.
         """
-        code = self.run(address(out))
+        code = self.run(out)
         if code <= _MERGED:
             self.kept.touch()
-            if self.sent:
-                traffic.add(self.sent)
+            if self.nbytes:
+                traffic.add(self.nbytes)
         if not code:
             return None
         got = settle_code(code, merger.comm, self.struct)
-        call = settle(self.comm, self.entry, dataclasses.replace(self.call), self.enc, None, got)
+        call = dataclasses.replace(self.call)
+        call = settle(self.comm, self.entry, call, _encoding(self.entry, call), None, got)
         return merged(call)
 
     def decoded(self, call, q, k, v):
@@ -371,12 +394,12 @@ STEPS: dict = {}  # Layout -> Step: the one memo of recurring one-shot calls
 _seen: dict = {}  # the layouts of calls seen once: a step is made when one comes again
 
 
-def remember(layout, make):
-    """Return ``layout``'s :class:`Step`, made by ``make()`` on the layout's second call.
+def remember(layout, call):
+    """Return ``layout``'s :class:`Step`, made from its agreed ``call`` on its second call.
 
     None on its first call, which only marks it seen: a loop whose every call has
     a new layout (a cache reallocated as it grows) makes no step in vain; None
-    too where ``make()`` returns None.
+    too where :meth:`Step.of` makes none.
     """
     step = STEPS.get(layout)
     if step is not None:
@@ -386,7 +409,7 @@ def remember(layout, make):
             _seen.clear()
         _seen[layout] = None
         return None
-    step = make()
+    step = Step.of(call)
     if step is not None:
         if len(STEPS) >= _SIZE:
             STEPS.clear()
