@@ -1,21 +1,23 @@
-"""The step object of a recurring one-shot call, and the one memo of them by layout.
+"""The step object (prepare, agree, bind, run), and the one memo of them by layout.
 
-A guarded :func:`~._oneshot.tree_decode` or :func:`~._oneshot.allreduce_state`
-prepares (its local checks), agrees (:func:`~._agreed.agree_merger`), then
-merges. When a call recurs (the same :class:`Layout`: shapes, strides, dtypes,
-options and communicator), its second call leaves a :class:`Step` in the memo,
-and later calls run it:
+A :class:`Step` is an agreed attention step. A :class:`~._decode_plan.DecodePlan`
+makes one when it agrees and runs it step after step. A guarded
+:func:`~._oneshot.tree_decode` or :func:`~._oneshot.allreduce_state` prepares
+(its local checks), agrees (:func:`~._agreed.agree_merger`), then merges; when
+such a call recurs (the same :class:`Layout`: shapes, strides, dtypes, options
+and communicator), its second call leaves a :class:`Step` in the memo, and later
+calls run it:
 
 - **prepare**: :meth:`Step.prepare` is the guarded path's ``prepare()`` for a
   later call: only the checks that can change within a layout (the shard length)
   run, and the agreed call, its merger and the bound kernel are reused;
 - **bind**: :meth:`Step.bind`, after an outermost guarded call, binds the step's
   compiled form (``_native_step.c``'s ``mpitree_step``): the agreement vector
-  that :func:`~._guard.agree` sent for it, its merger's persistent all-reduce
-  (:meth:`Merger.bind_layer <mpitree._merger.Merger.bind_layer>`) and, for
-  ``tree_decode``, the kernel;
+  that :func:`~._guard.agree` sent for it (:attr:`Call.sent`), its merger's
+  persistent all-reduce (:meth:`Merger.bind_layer
+  <mpitree._merger.Merger.bind_layer>`) and, for ``tree_decode``, the kernel;
 - **run**: the entry point's lane (:func:`~._guard.entry_point`) runs a bound
-  step in one compiled call (:meth:`Step.start`, then :meth:`Step.finish`): the
+  step in one compiled call (:meth:`Step.open`, then :meth:`Step.finish`): the
   same agreement collective with the same vector and, only if every rank sent
   it, this rank's records (the kernel over the shard, or the state's) and the
   merge.
