@@ -18,7 +18,7 @@ from ._options import INVARIANT, Options, dtype_name
 from ._registry import REGISTRY
 from ._runtime import limit_blas_threads
 from ._state import State, finish, trusted_state
-from ._step import _layout, prepare_attention
+from ._step import KernelSlot, _layout, prepare_attention
 from ._steps import STEPS, Layout, merged_state, options_key, remember
 
 # the entry points' own names: a step's compiled form is bound only from an outermost call
@@ -69,10 +69,16 @@ def _decode_step(
         # a plain tuple equal to the Layout (a Layout is one): no constructor on the hot path
         step = STEPS.get((_DECODE_ENTRY, id(comm), options, _layout(q, k, v, None), None))
         merger = None if step is None else step.open(comm)
-        out = None if merger is None else step.decode_into(q, k, v)
-        if out is None:
+        if merger is None:
             return None
-        target = address(out)
+        t = k.shape[2]
+        b, hq, sq = step.rows
+        if v.shape[2] != t or (sq != 1 and KernelSlot.prompt(b, hq, sq, t)):
+            return None  # K and V lengths differ, or a prompt: the full checks decide
+        out = np.empty(q.shape, np.float32)
+        struct = step.struct  # the compiled form: this call's arrays and shard length
+        struct.q, struct.k, struct.v = address(q), address(k), address(v)
+        struct.t, target = t, address(out)
     except Exception:  # nothing has communicated: the guarded path decides
         return None
     settled = step.finish(merger, target, lambda call: step.decoded(call, q, k, v))

@@ -336,21 +336,6 @@ class Step:
             return None
         return None if hook.observer is not None else merger
 
-    def decode_into(self, q, k, v):
-        """Point the compiled form at a later ``tree_decode``'s arrays; return its output.
-
-        None (the guarded path decides) where the shard length's checks fail.
-        """
-        t = k.shape[2]
-        b, hq, sq = self.rows
-        if v.shape[2] != t or (sq != 1 and KernelSlot.prompt(b, hq, sq, t)):
-            return None
-        out = np.empty(q.shape, np.float32)
-        struct = self.struct
-        struct.q, struct.k, struct.v = address(q), address(k), address(v)
-        struct.t = t
-        return out
-
     def finish(self, merger, out, merged):
         """Run the compiled form into address ``out``; return None if it merged, else settle.
 
@@ -361,7 +346,8 @@ class Step:
         """
         code = self.run(out)
         if code <= _MERGED:
-            self.kept.touch()
+            kept = self.kept
+            kept.cache.move_to_end(kept.key)  # kept.touch(), inline: every call runs it
             if self.nbytes:
                 traffic.add(self.nbytes)
         if not code:
