@@ -13,13 +13,34 @@ from ._merger import Merger, _staging, buffer_kind, cache_key, merger_for
 from ._options import INVARIANT
 from ._strategies import resolve
 
-# id(merge) -> (comm, merge, native, weak reference to the merger, comm's merger cache, its key
-# there) of the last few shared mergers: a call that repeats an agreed ``merge`` tuple (a kept
-# template's, step after step, or in turn with others) skips resolve and merger_for, but marks
-# the merger used in the cache as merger_for does. Held weakly: the cache alone keeps it, so a
-# freed communicator's or an evicted merger's buffers are not kept here
-_recent: OrderedDict = OrderedDict()
+_recent: OrderedDict = OrderedDict()  # id(merge) -> _Kept: the last few shared mergers
 _RECENT_SIZE = 8
+
+
+class _Kept:
+    """A shared merger kept for an agreed ``merge`` tuple, and its place in its comm's cache.
+
+    A call that repeats an agreed ``merge`` tuple (a kept template's, step after
+    step, or in turn with others) skips resolve and merger_for, but marks the
+    merger used in the cache as merger_for does (:meth:`touch`). The merger is
+    held weakly: the cache alone keeps it, so a freed communicator's or an
+    evicted merger's buffers are not kept here.
+    """
+
+    __slots__ = ("cache", "comm", "key", "merge", "merger", "native")
+
+    def __init__(self, comm, merge, native, merger, cache, key):
+        self.comm, self.merge, self.native = comm, merge, native
+        self.merger, self.cache, self.key = weakref.ref(merger), cache, key
+
+    def touch(self):
+        """Mark the merger used in its communicator's cache (as :func:`merger_for` does)."""
+        self.cache.move_to_end(self.key)
+
+
+def kept(call):
+    """Return the :class:`_Kept` of an agreed ``call``'s merger, or None if none is kept."""
+    return _recent.get(id(call.merge))
 
 
 def agree_merger(comm, prepare, *, like=None, owned=False):
@@ -98,20 +119,20 @@ def agreed_merger(comm, call, *, like=None, owned=False):
     if call.merge is None:
         return None
     last = _recent.get(id(call.merge))
-    kept = None if last is None else last[3]()
+    merger = None if last is None else last.merger()
     if (
-        kept is not None
-        and last[1] is call.merge
-        and last[0] is comm
-        and last[2] == call.native
+        merger is not None
+        and last.merge is call.merge
+        and last.comm is comm
+        and last.native == call.native
         and like is None
         and not owned
-        and kept.alive
+        and merger.alive
     ):
         # a rank may reuse it where another (whose last call was on another communicator)
         # looks it up: both mark it used, so every rank's cache evicts the same merger
-        last[4].move_to_end(last[5])
-        return kept
+        last.touch()
+        return merger
     rows, head_dim, acc, opts = call.merge
     if opts.deterministic == INVARIANT:
         if owned:
@@ -130,7 +151,7 @@ def _remember(comm, call, merger, key):
     """Keep ``merger`` as the one for ``call.merge`` on ``comm`` (until it is freed)."""
     found = id(call.merge)
     cache = comm.Get_attr(_merger._keyval)
-    _recent[found] = (comm, call.merge, call.native, weakref.ref(merger), cache, key)
+    _recent[found] = _Kept(comm, call.merge, call.native, merger, cache, key)
     _recent.move_to_end(found)
     if len(_recent) > _RECENT_SIZE:
         _recent.popitem(last=False)

@@ -99,7 +99,7 @@ def check_qkv(q, k, v, *, names=("q", "k", "v")):
     devices = {ns.device(x) for x in (q, k, v)}
     if len(devices) > 1:
         raise ValueError(f"{', '.join(names)} are on different devices: {sorted(devices)}")
-    qs, ks = _shape(q), _shape(k)
+    qs, ks = tuple(int(s) for s in q.shape), _shape(k)
     if ks != _shape(v):
         raise ValueError(f"{names[1]} and {names[2]} shapes differ: {ks} vs {_shape(v)}")
     b, hq, sq, d = qs
@@ -136,15 +136,12 @@ def _int_array(ns, name, x, shape):
 def check_masking(ns, problem, t, kv_len=None, q_pos=None, k_pos=None, mask=None):
     """Validate kv_len, positions and mask for a shard of ``t`` keys; return them in ``ns``."""
     b, sq = problem.batch, problem.q_len
-    if kv_len is not None:
-        kv_len = _int_array(ns, "kv_len", kv_len, (b,))
-        if b and (int(kv_len.min()) < 0 or int(kv_len.max()) > t):
-            raise ValueError(f"kv_len must lie in [0, {t}] (this shard's length), got {kv_len}")
     if (q_pos is None) != (k_pos is None):
         raise ValueError("q_pos and k_pos must be given together")
-    if q_pos is not None:
-        q_pos = _int_array(ns, "q_pos", q_pos, (b, sq))
-        k_pos = _int_array(ns, "k_pos", k_pos, (b, t))
+    given = (("kv_len", kv_len, (b,)), ("q_pos", q_pos, (b, sq)), ("k_pos", k_pos, (b, t)))
+    kv_len, q_pos, k_pos = (x if x is None else _int_array(ns, n, x, s) for n, x, s in given)
+    if kv_len is not None and b and (int(kv_len.min()) < 0 or int(kv_len.max()) > t):
+        raise ValueError(f"kv_len must lie in [0, {t}] (this shard's length), got {kv_len}")
     if mask is not None:
         if not is_array(mask) or not namespace(mask).is_bool(mask):
             raise TypeError("mask must be a boolean array (True = attend)")

@@ -22,7 +22,7 @@ from ._namespace import Array
 from ._options import INVARIANT, Options
 from ._runtime import limit_blas_threads
 from ._state import finish
-from ._step import KernelSlot, local_attention, validated
+from ._steps import Step
 
 FAST_PATH = True  # plans skip re-validating an unchanged layout (False: benchmarks, tests)
 _full_blocks = 0  # open extend.tools.full_checks blocks: FAST_PATH is (_full_blocks == 0)
@@ -125,8 +125,7 @@ class DecodePlan:
         self.comm = comm
         self._ranks = comm.Get_size()  # for repr, which may run after MPI.Finalize()
         limit_blas_threads()
-        self._lazy = _LazyStep(self)
-        self._kernel = KernelSlot()  # bound to the layout of the last step that passed the checks
+        self._step = Step(call, self.problem, self.options)  # its kernel: the last checked layout
 
     @property
     def scale(self) -> float:
@@ -185,47 +184,28 @@ class DecodePlan:
             plan; the plan stays usable.
         """
         args = (q, k, v, kv_len, q_pos, k_pos, mask)
-        if self.options.deterministic == INVARIANT:
-            return self._invariant(args, kv_start, kv_blocks, return_lse)
-        if self.options.validate:
-            step = agree(self.comm, lambda: self._validated(args)).payload
-        else:
-            step = self._lazy
-            step.args, step.step = args, None
-        if kv_start is not None or kv_blocks is not None:  # refused inside the merge's guard
-            step = functools.partial(_placement_unused, kv_start, kv_blocks)
-        records = self._merger.merge(step)
-        return finish(records.reshape(*self.problem.row_shape, -1), q, return_lse, inputs=args[:3])
-
-    def _invariant(self, args, kv_start, kv_blocks, return_lse):
-        """One ``deterministic="invariant"`` step: leaves, pieces, the canonical tree."""
-        problem, opts = self.problem, self.options
+        opts, step = self.options, self._step
         checked = None
         if opts.validate:
-            checked = agree(self.comm, lambda: self._validated(args)).payload
-
-        def local():
-            check_arithmetic(self._arithmetic)
-            step = checked if checked is not None else self._step(args)
-            return invariant_pieces(step, opts.block_size, kv_start, kv_blocks, problem.acc)
-
+            checked = agree(self.comm, functools.partial(step.validated, args)).payload
+        if opts.deterministic == INVARIANT:  # leaves, pieces, the canonical tree
+            local = functools.partial(self._pieces, args, checked, kv_start, kv_blocks)
+        elif kv_start is not None or kv_blocks is not None:  # refused inside the merge's guard
+            local = functools.partial(_placement_unused, kv_start, kv_blocks)
+        elif checked is not None:
+            local = checked
+        else:
+            local = step
+            step.args, step.checked, step.fast = args, None, FAST_PATH
         records = self._merger.merge(local)
-        return finish(records.reshape(*problem.row_shape, -1), args[0], return_lse, inputs=args[:3])
+        return finish(records.reshape(*self.problem.row_shape, -1), q, return_lse, inputs=args[:3])
 
-    def _step(self, args):
-        """Check one step's inputs against the plan; return its :class:`Attention`."""
-        problem, step = local_attention(*args, self.options.scale)
-        if problem != self.problem:
-            raise ValueError(f"inputs {problem} do not match the plan's {self.problem}")
-        return step
-
-    def _validated(self, args):
-        """Validate mode: the step's :class:`Call`, with finiteness and q's checksum."""
-        step = self._step(args)
-        sig = validated(step, {**self.problem.signature(), **self.options.signature()})
-        if self.options.deterministic == INVARIANT:
-            invariant_signature(sig)
-        return Call(sig, step)
+    def _pieces(self, args, checked, kv_start, kv_blocks):
+        """Return a ``deterministic="invariant"`` step's local work: this shard's pieces."""
+        check_arithmetic(self._arithmetic)
+        att = checked if checked is not None else self._step.check(args)
+        opts = self.options
+        return invariant_pieces(att, opts.block_size, kv_start, kv_blocks, self.problem.acc)
 
     def free(self) -> None:
         """Release the plan's MPI request (buffers go with the object)."""
@@ -240,56 +220,6 @@ class DecodePlan:
 
     def __repr__(self):
         return f"DecodePlan({self.problem}, strategy={self.strategy!r}, ranks={self._ranks})"
-
-
-class _LazyStep:
-    """A plan step whose local checks run inside the merge's guard (no extra collective).
-
-    Fast path: when a step has the layout (:func:`_layout`) of the last step that
-    passed the full checks, and no positions or mask, only what can change within
-    a layout is checked (:meth:`KernelSlot.step`: K and V lengths agree, the
-    step is not a prompt, ``kv_len`` in range) and the plan's bound kernel runs.
-    Any other step takes the full checks.
-    """
-
-    def __init__(self, plan):
-        self.plan, self.args, self.step = plan, None, None
-        self.q_len = plan.problem.q_len  # the ring sizes its incoming visibility blocks by it
-
-    def fill(self, records):
-        """Validate against the plan, then compute this shard's state."""
-        plan, args = self.plan, self.args
-        if (
-            FAST_PATH
-            and args[4] is None
-            and args[5] is None
-            and args[6] is None
-            and plan._kernel.step(args[0], args[1], args[2], args[3], records)
-        ):
-            return
-        plan._kernel.unbind()
-        self.step = plan._step(args)
-        self.step.fill(records)
-        if (
-            args[4] is None
-            and args[5] is None
-            and args[6] is None
-            and records.dtype == np.float32
-            and records.flags.c_contiguous
-        ):
-            plan._kernel.bind(self.step, args[3])  # no positions or mask: the next steps' kernel
-
-    def block(self):
-        """See :meth:`Attention.block`."""
-        if self.step is None:  # the fast path ran: the ring needs the checked step
-            self.step = self.plan._step(self.args)
-        return self.step.block()
-
-    def attend_block(self, *args):
-        """See :meth:`Attention.attend_block`."""
-        if self.step is None:
-            self.step = self.plan._step(self.args)
-        self.step.attend_block(*args)
 
 
 def plan_merger(plan):

@@ -72,7 +72,7 @@ def entry_point(fn=None, *, lane=None):
     that asks ``MPI_Finalized`` itself. It is for a call whose checks an earlier
     agreement made: a decode layer's one compiled call after its step's first
     layer agreed (:meth:`Merger.merge_layer`: no agreement), or a recurring
-    one-shot call (``_oneshot_lane``: the same agreement as ``fn``'s, in C).
+    one-shot call's bound step (``_steps.Step``: the same agreement as ``fn``'s, in C).
     """
     if fn is None:
         return functools.partial(entry_point, lane=lane)
@@ -200,6 +200,9 @@ class Call:
         agreement (an :class:`Options` names its strategy,
         determinism and node size), which :func:`agree_merger`
         resolves and returns; None for a call that merges nothing.
+    sent : bytes or None
+        After :func:`agree`: the agreement vector this rank sent, which every rank
+        sent too (a recurring call's bound step sends it again, from C).
     """
 
     signature: dict
@@ -209,6 +212,7 @@ class Call:
     key: object = None
     merge: tuple | None = None
     counts: dict | None = None
+    sent: bytes | None = None
 
     def __post_init__(self):
         if self.op is None and self.merge is not None:
@@ -341,12 +345,12 @@ def agree(comm, prepare):
     if comm.Get_size() == 1:
         if error is not None:
             raise_failure(comm, error)
-        call.native = bool(enc.native)  # one rank: its own verdict, codes and op
+        call.native, call.sent = bool(enc.native), sent  # one rank: its own verdict, codes, op
         return call
     buf = bytearray(sent)
     comm.Allreduce(MPI.IN_PLACE, [buf, MPI.INT64_T], op=MPI.MIN)
     if error is None and buf == sent:
-        call.native = bool(enc.native)  # every rank sent the same: its op is everywhere
+        call.native, call.sent = bool(enc.native), sent  # every rank sent the same
         return call
     return settle(comm, entry, call, enc, error, buf)
 

@@ -134,7 +134,7 @@ def address(x):
 def bind_call(fn, args, keep=()):
     """Return ``step(out) -> int``: the compiled ``int fn(args *, void *out)``, ``args`` bound.
 
-    For ``mpitree_step_run`` (a decode layer's step, a one-shot lane's). Through
+    For ``mpitree_step_run`` (a decode layer's step, a recurring one-shot call's). Through
     ``mpitree._native_call`` where it was built (a CPython call: through ctypes, a
     later decode layer's step costs 2-3 us more on caches the model's dense layers
     cooled), else through ctypes (``fn``'s argtypes: a pointer to

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -11,22 +12,16 @@ from ._agreed import agree_merger
 from ._guard import Call, check_comm, current_entry, entry_point
 from ._invariant import check_placement, leaf_records, local_pieces
 from ._invariant_step import _placement_unused, invariant_signature
+from ._library import address
 from ._namespace import Array
-from ._oneshot_lane import (
-    decode_lane,
-    keep_decode_lane,
-    keep_state_lane,
-    merged_state,
-    state_lane,
-)
-from ._options import INVARIANT, Options, dtype_name, resolve_scale
-from ._recurring import _RECURRING_SIZE, _options_key, _recurring_calls, _remember, _state_calls
+from ._options import INVARIANT, Options, dtype_name
 from ._registry import REGISTRY
 from ._runtime import limit_blas_threads
-from ._state import State, finish
-from ._step import _layout, prepare_attention
+from ._state import State, finish, trusted_state
+from ._step import KernelSlot, _layout, prepare_attention
+from ._steps import STEPS, Layout, merged_state, options_key, remember
 
-# the entry points' own names: a lane is kept only from an outermost call
+# the entry points' own names: a step's compiled form is bound only from an outermost call
 _DECODE_ENTRY, _STATE_ENTRY = f"{__name__}.tree_decode", f"{__name__}.allreduce_state"
 
 
@@ -35,7 +30,81 @@ def _staged(x):
     return None if isinstance(x, np.ndarray) else x
 
 
-@entry_point(lane=decode_lane)
+def _decode_step(
+    q,
+    k,
+    v,
+    comm=None,
+    *,
+    scale=None,
+    kv_len=None,
+    q_pos=None,
+    k_pos=None,
+    mask=None,
+    strategy="auto",
+    return_lse=False,
+    deterministic=False,
+    validate=False,
+    node_size=None,
+    block_size=None,
+    kv_start=None,
+    kv_blocks=None,
+):
+    """``tree_decode``'s lane: its bound :class:`Step` in one compiled call; else None."""
+    if (
+        not STEPS
+        or kv_len is not None
+        or q_pos is not None
+        or k_pos is not None
+        or mask is not None
+        or return_lse is not False
+        or validate is not False
+        or block_size is not None
+        or kv_start is not None
+        or kv_blocks is not None
+    ):
+        return None
+    try:
+        options = options_key(strategy, scale, deterministic, node_size)
+        # a plain tuple equal to the Layout (a Layout is one): no constructor on the hot path
+        step = STEPS.get((_DECODE_ENTRY, id(comm), options, _layout(q, k, v, None), None))
+        merger = None if step is None else step.open(comm)
+        if merger is None:
+            return None
+        t = k.shape[2]
+        b, hq, sq = step.rows
+        if v.shape[2] != t or (sq != 1 and KernelSlot.prompt(b, hq, sq, t)):
+            return None  # K and V lengths differ, or a prompt: the full checks decide
+        out = np.empty(q.shape, np.float32)
+        struct = step.struct  # the compiled form: this call's arrays and shard length
+        struct.q, struct.k, struct.v = address(q), address(k), address(v)
+        struct.t, target = t, address(out)
+    except Exception:  # nothing has communicated: the guarded path decides
+        return None
+    settled = step.finish(merger, target, lambda call: step.decoded(call, q, k, v))
+    return out if settled is None else settled
+
+
+def _state_step(state, comm=None, strategy="auto", *, deterministic=False, node_size=None):
+    """``allreduce_state``'s lane: its bound :class:`Step` in one compiled call; else None."""
+    if not STEPS:
+        return None
+    try:
+        records = state.records if type(state) is State else None
+        options = options_key(strategy, None, deterministic, node_size)
+        step = STEPS.get((_STATE_ENTRY, id(comm), options, records.shape, records.dtype))
+        merger = None if step is None else step.open(comm)
+        if merger is None or type(records) is not np.ndarray or not records.flags.c_contiguous:
+            return None
+        out = np.empty(records.shape, np.float32)
+        step.struct.source, target = address(records), address(out)
+    except Exception:  # nothing has communicated: the guarded path decides
+        return None
+    settled = step.finish(merger, target, lambda call: step.state(call, records))
+    return trusted_state(out) if settled is None else settled
+
+
+@entry_point(lane=_decode_step)
 def tree_decode(
     q: Array,
     k: Array,
@@ -138,7 +207,7 @@ def tree_decode(
     options = dict(strategy=strategy, scale=scale, deterministic=deterministic)
     options.update(validate=validate, node_size=node_size, block_size=block_size, invariant=True)
 
-    key = None
+    layout = None
     if (
         kv_len is None
         and q_pos is None
@@ -149,20 +218,17 @@ def tree_decode(
         and validate is False
         and block_size is None
     ):
-        key = _options_key(strategy, scale, deterministic, node_size)
+        key, arrays = options_key(strategy, scale, deterministic, node_size), _layout(q, k, v, None)
+        if key is not None and arrays is not None:
+            layout = Layout(_DECODE_ENTRY, id(comm_arg), key, arrays)
 
     def prepare():
-        cache = None
-        if key is not None:
-            layout = _layout(q, k, v, None)
-            if layout is not None:
-                cache, full = _recurring_calls(), (layout, key)
-                found = cache.get(full)
-                if found is not None:
-                    hit = found.call_for(q, k, v)
-                    if hit is not None:
-                        cache.move_to_end(full)
-                        return hit
+        if layout is not None:
+            found = STEPS.get(layout)
+            if found is not None:
+                call = found.prepare(q, k, v)
+                if call is not None:
+                    return call
         problem, opts, step, sig = prepare_attention(q, k, v, kv_len, q_pos, k_pos, mask, options)
         blocks = None
         if opts.deterministic == INVARIANT:
@@ -171,31 +237,41 @@ def tree_decode(
         else:
             _placement_unused(kv_start, kv_blocks)
         merge = (problem.rows, problem.head_dim, problem.acc, opts)
-        call = Call(sig, (problem, opts, step, blocks), merge=merge)
-        if cache is not None:
-            _remember(full, call, step)
-        return call
+        return Call(sig, (problem, opts, step, blocks), key=layout, merge=merge)
 
     call, merger = agree_merger(comm, prepare, like=_staged(q))
     problem, opts, step, blocks = call.payload
     limit_blas_threads()
-    if blocks is not None:
+    if blocks is not None:  # invariant mode: the leaves of its blocks, as pieces
+        step = functools.partial(_leaf_pieces, step, blocks, opts.block_size, problem.acc)
+    records = merger.merge(step).reshape(*problem.row_shape, -1)
+    if layout is not None and blocks is None:
+        _keep_decode(layout, call, comm_arg, comm, merger, return_lse)
+    return finish(records, q, return_lse, inputs=(q, k, v))
 
-        def local():
-            return local_pieces(blocks, leaf_records(step, opts.block_size, len(blocks), acc))
 
-        acc = problem.acc
-        records = merger.merge(local).reshape(*problem.row_shape, -1)
-        return finish(records, q, return_lse, inputs=(q, k, v))
-    records = merger.merge(step)
+def _leaf_pieces(att, blocks, block_size, acc):
+    """Return an invariant-mode call's local work: its blocks' leaf records, as pieces."""
+    return local_pieces(blocks, leaf_records(att, block_size, len(blocks), acc))
+
+
+def _keep_decode(layout, call, comm_arg, comm, merger, return_lse):
+    """After a guarded ``tree_decode`` of ``layout``: its :class:`Step`, bound where it may."""
+    step = remember(layout, call)
     entry = current_entry()
-    if key is not None and not return_lse and entry == _DECODE_ENTRY:
-        scale = resolve_scale(scale, problem.head_dim)
-        keep_decode_lane(comm_arg, comm, call, merger, (q, k, v), scale, key, entry)
-    return finish(records.reshape(*problem.row_shape, -1), q, return_lse, inputs=(q, k, v))
+    if step is not None and not return_lse and entry == _DECODE_ENTRY:
+        step.bind(call, comm_arg, comm, merger, entry)
 
 
-@entry_point(lane=state_lane)
+def _keep_state(layout, call, comm_arg, comm, merger):
+    """After a guarded ``allreduce_state`` of ``layout``: its :class:`Step`, bound where it may."""
+    step = remember(layout, call)
+    entry = current_entry()
+    if step is not None and entry == _STATE_ENTRY:
+        step.bind(call, comm_arg, comm, merger, entry)
+
+
+@entry_point(lane=_state_step)
 def allreduce_state(
     state: State,
     comm: MPI.Intracomm | None = None,
@@ -224,14 +300,16 @@ def allreduce_state(
     """
     comm_arg, comm = comm, check_comm(comm)
 
-    key = _options_key(strategy, None, deterministic, node_size)
+    key, layout = options_key(strategy, None, deterministic, node_size), None
+    if type(state) is State and key is not None:
+        records = state.records
+        layout = Layout(_STATE_ENTRY, id(comm_arg), key, records.shape, records.dtype)
 
     def prepare():
-        if type(state) is State and key is not None:
-            full = (state.records.shape, state.records.dtype, key)
-            found = _state_calls.get(full)
+        if layout is not None:
+            found = STEPS.get(layout)
             if found is not None:
-                return Call(found.signature, None, op=found.op, key=full, merge=found.merge)
+                return found.prepare()
         if not isinstance(state, State):
             raise TypeError(f"state must be an mpitree.State, got {type(state).__name__}")
         opts = Options.resolve(state.head_dim, strategy, None, deterministic, node_size)
@@ -241,15 +319,10 @@ def allreduce_state(
         sig = {"rows": tuple(state.shape), "head_dim": state.head_dim, "dtype": acc}
         sig.update(opts.signature())
         merge = (math.prod(state.shape), state.head_dim, acc, opts)
-        if type(state) is not State or key is None:
-            return Call(sig, None, merge=merge)
-        call = Call(sig, None, key=full, merge=merge)
-        if len(_state_calls) < _RECURRING_SIZE:
-            _state_calls[full] = call
-        return call
+        return Call(sig, None, key=layout, merge=merge)
 
     call, merger = agree_merger(comm, prepare)
-    entry = current_entry()
-    if key is not None and type(state) is State and entry == _STATE_ENTRY:
-        keep_state_lane(comm_arg, comm, call, merger, state.records, entry)
-    return merged_state(merger, call.merge[0], state.records)
+    result = merged_state(merger, call.merge[0], state.records)
+    if layout is not None:
+        _keep_state(layout, call, comm_arg, comm, merger)
+    return result

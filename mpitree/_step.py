@@ -162,6 +162,10 @@ class KernelSlot:
             self._out = (records, address(records))
         self._prepared.run_raw(address(q), address(k), address(v), k.shape[2], self._out[1])
 
+    def point(self, call):
+        """Point a compiled step's struct (a ``StepArgs``) at the bound kernel and its scratch."""
+        call.args, call.scratch = self._prepared.args, address(self._prepared.scratch)
+
     def fill(self, att, records):
         """Write ``att``'s state into host records ``(rows, D + 2)``, as :meth:`Attention.fill`."""
         ns = att.ns
@@ -202,8 +206,8 @@ def local_attention(q, k, v, kv_len, q_pos, k_pos, mask, scale):
     """Check one rank's attention arguments; return its (Problem, Attention)."""
     ns, problem, t = check_qkv(q, k, v)
     kv_len, q_pos, k_pos, mask = check_masking(ns, problem, t, kv_len, q_pos, k_pos, mask)
-    lens, vis = visibility(ns, problem.batch, problem.q_len, t, kv_len, q_pos, k_pos, mask)
     scale = resolve_scale(scale, problem.head_dim)
+    lens, vis = visibility(ns, problem.batch, problem.q_len, t, kv_len, q_pos, k_pos, mask)
     return problem, Attention(ns, q, k, v, scale, lens, vis)
 
 
@@ -215,9 +219,15 @@ def validated(step, signature):
 
 
 def prepare_attention(q, k, v, kv_len, q_pos, k_pos, mask, options):
-    """Local checks of one attention call; return (Problem, Options, Attention, signature)."""
-    problem, step = local_attention(q, k, v, kv_len, q_pos, k_pos, mask, options.get("scale"))
+    """Local checks of one attention call; return (Problem, Options, Attention, signature).
+
+    As :func:`local_attention`, its options resolved (:meth:`Options.resolve`) too.
+    """
+    ns, problem, t = check_qkv(q, k, v)
+    kv_len, q_pos, k_pos, mask = check_masking(ns, problem, t, kv_len, q_pos, k_pos, mask)
     options = Options.resolve(problem.head_dim, **options)
+    lens, vis = visibility(ns, problem.batch, problem.q_len, t, kv_len, q_pos, k_pos, mask)
+    step = Attention(ns, q, k, v, options.scale, lens, vis)
     signature = {**problem.signature(), **options.signature()}
     if options.validate:
         validated(step, signature)

@@ -1,4 +1,4 @@
-"""What a compiled step's return code does in Python: one function for the merger and the lanes."""
+"""What a compiled step's return code does in Python: one function for every bound step."""
 
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def phase_times(times=None):
       its kernel and its collective in C: there they are the C code's alone);
     - ``"local"``: a transformers layer's checked local step.
 
-    Inside a block, a recurring one-shot call does not take its lane (one
+    Inside a block, a recurring one-shot call does not run its bound step (one
     compiled call): it takes its guarded path, whose phases are these.
 
     Not timed: the sharded-prefill collectives (``allgather_rows``,

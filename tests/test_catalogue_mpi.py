@@ -48,11 +48,12 @@ def arrays(b=2, hq=4, hkv=2, sq=1, d=8, t=5, dtype=np.float32, seed=0):
 
 def lanes_kept():
     """Whether a one-shot call's lane is kept, or cannot be in this build."""
-    from mpitree import _oneshot_lane
+    from mpitree import _steps
     from mpitree._library import native_lib
     from mpitree._strategies.allreduce import _PERSISTENT_OK
 
-    return bool(_oneshot_lane._lanes) or not (native_lib() and _PERSISTENT_OK)
+    bound = any(step.run is not None for step in _steps.STEPS.values())
+    return bound or not (native_lib() and _PERSISTENT_OK)
 
 
 def pick(bad, good, wrong):

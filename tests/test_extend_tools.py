@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mpitree
-from mpitree import _decode_plan, _guard, _invariant_merger, _timers, _traffic, extend
+from mpitree import _decode_plan, _guard, _invariant_merger, _steps, _timers, _traffic, extend
 from mpitree._guard import agree as bound_before  # a name bound before any block opens
 from mpitree._library import library_path
 
@@ -372,10 +372,8 @@ def test_phase_times_counts_the_invariant_merge():
 def test_full_checks_takes_the_full_path(monkeypatch):
     q, k, v = arrays()
     calls = []
-    real = _decode_plan.DecodePlan._step
-    monkeypatch.setattr(
-        _decode_plan.DecodePlan, "_step", lambda s, a: calls.append(1) or real(s, a)
-    )
+    real = _steps.Step.check
+    monkeypatch.setattr(_steps.Step, "check", lambda s, a: calls.append(1) or real(s, a))
     with mpitree.DecodePlan(*SHAPE) as plan:
         plan.decode(q, k, v)  # binds the kernel
         calls.clear()

@@ -110,7 +110,7 @@ def test_a_recurring_call_reuses_its_merger_until_it_is_freed():
     for i, (q, k, v, ref) in enumerate(steps):
         out = mpitree.tree_decode(q, k, v, comm)
         assert_allclose(out, reference_attention(*ref)[0], atol=2e-5, rtol=0)
-        mergers.append(next(reversed(_agreed._recent.values()))[3]())
+        mergers.append(next(reversed(_agreed._recent.values())).merger())
         if i == 2:  # evict it from the communicator's cache, as a 17th merger would
             cache = comm.Get_attr(_merger._keyval)
             (key,) = [key for key, m in cache.items() if m is mergers[-1]]
@@ -275,11 +275,11 @@ def decode_lane_calls(monkeypatch):
 
 def counted_lane_calls(monkeypatch, local):
     """Count the lanes' compiled steps whose records come ``local`` ways, from no lane kept."""
-    from mpitree import _oneshot_lane
+    from mpitree import _steps
 
-    monkeypatch.setattr(_oneshot_lane, "_lanes", {})
-    monkeypatch.setattr(_oneshot_lane, "_seen", {})
-    calls, bind = [], _oneshot_lane.bind_call
+    _steps.STEPS.clear()
+    _steps._seen.clear()
+    calls, bind = [], _steps.bind_call
 
     def counted(fn, args, keep=()):  # a lane kept from now on takes the counting step
         step = bind(fn, args, keep)
@@ -291,7 +291,7 @@ def counted_lane_calls(monkeypatch, local):
 
         return run
 
-    monkeypatch.setattr(_oneshot_lane, "bind_call", counted)
+    monkeypatch.setattr(_steps, "bind_call", counted)
     return calls
 
 
