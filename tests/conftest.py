@@ -34,6 +34,12 @@ def _cuda_device():
         return False
 
 
+if not _cuda_device():
+    # CPU tensors run the Triton kernels under Triton's interpreter. Set before any test
+    # module imports triton: importing transformers imports it, and triton fixes its mode then.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def _cluster_host():
     """Return why an emulated cluster cannot be made here (not root, no ``ip netns``), or ""."""
     from mpitree.cluster import ClusterError, check_host
