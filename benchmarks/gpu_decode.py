@@ -13,10 +13,10 @@ with CUDA events (median of ``--steps`` after ``--warmup``):
 - ``tree_decode``: the whole ``mpitree.tree_decode`` call (local state, staging the
   records to the host, the merge, the output back on the device);
 - ``plan``: ``DecodePlan.decode``, the same step through a plan;
-- ``triton_records``, ``triton_tree``, ``triton_plan``: the fused Triton kernel's
-  records into a device buffer (``adapters/_triton_decode.py``), and the two calls
-  above with ``MPITREE_KERNEL=triton`` set around each (rows left out where triton
-  does not import).
+- ``triton_records``, ``triton_tree``, ``triton_plan``: ``records``, ``tree_decode``
+  and ``plan`` with ``MPITREE_KERNEL=triton`` set around each: the fused Triton
+  kernel (``adapters/_triton_decode.py``) writes the records (rows left out where
+  triton is not installed).
 
 Each row's error is against ``mpitree.reference_attention`` in float64 on the same
 (rounded) inputs: the local rows over this rank's keys, the merged ones over the whole
@@ -32,6 +32,7 @@ rank's times include the others' load); rank 0 prints the slowest rank's medians
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 
 import numpy as np
@@ -69,15 +70,10 @@ def flash_lse(q, k, v):
 
 
 def triton_methods(q, k, v, kw, comm, plan):
-    """Return the Triton kernel's methods {name: fn} (none where triton does not import)."""
-    try:
-        from mpitree.adapters import _triton_decode as kernel
-    except ImportError as exc:
-        print(f"no Triton rows: {exc}")
+    """Return the Triton kernel's methods {name: fn} (none where triton is not installed)."""
+    if importlib.util.find_spec("triton") is None:
+        print("no Triton rows: triton is not installed")
         return {}
-    b, hq, sq, dim = q.shape
-    rec = torch.empty(b, hq, sq, dim + 2, device=q.device)
-    lens = kw.get("kv_len")
 
     def selected(fn):
         def run():
@@ -89,10 +85,7 @@ def triton_methods(q, k, v, kw, comm, plan):
 
         return run
 
-    def records():
-        kernel.decode_records(q, k, v, dim**-0.5, lens, None, rec)
-        return rec
-
+    records = selected(lambda: mt.local_state(q, k, v, kv_len=kw.get("kv_len")))
     return {
         "triton_records": records,
         "triton_tree": selected(lambda: mpitree.tree_decode(q, k, v, comm=comm, **kw)),
