@@ -24,7 +24,7 @@ from ._invariant_merger import InvariantMerger
 from ._namespace import namespace
 from ._options import INVARIANT
 from ._registry import AUTO
-from ._runtime import check_mpi_usable
+from ._runtime import before_comm_free, check_mpi_usable
 from ._state import empty_records
 from ._step_code import settle_code
 from ._strategies import DETERMINISTIC, REGISTRY, free_requests
@@ -33,6 +33,22 @@ from ._traffic import hook
 _CACHE_SIZE = 16
 _keyval = None
 _keyval_lock = threading.Lock()
+
+
+#: every live merger's persistent requests: the id of its strategy's list -> the list
+_REQUESTS = {}
+
+
+def _free_requests(key):
+    """Free one merger's persistent requests (its finalizer; local, never collective)."""
+    free_requests(_REQUESTS.pop(key, []))
+
+
+@before_comm_free
+def _free_every_merger_requests():
+    """At exit, free every live merger's requests before the private communicator goes."""
+    for key in list(_REQUESTS):
+        _free_requests(key)
 
 
 class Merger:
@@ -88,8 +104,11 @@ class Merger:
         self.records = self.buf[:rows]
         self._rows = rows if not kind.host_memory else None  # staged out after each merge
         self._impl = cls(self, node_size, persistent)
-        # the finalizer holds the request list only, never the merger: dropping it frees them
-        self._finalizer = weakref.finalize(self, free_requests, self._impl.requests)
+        # the finalizer holds the request list's key only, never the merger: dropping it
+        # frees them (and so does the exit, before the private communicator goes)
+        requests = self._impl.requests
+        _REQUESTS[id(requests)] = requests
+        self._finalizer = weakref.finalize(self, _free_requests, id(requests))
 
     def merge(self, local):
         """Fill this rank's records and merge them across ranks; return the merged records.

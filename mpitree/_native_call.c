@@ -8,7 +8,7 @@
  * sizeof(mpitree_step) bytes: the library's ctypes struct, which the caller's partial
  * thereby keeps alive) and the address ``out`` (an int). A later decode layer's one
  * compiled call (mpitree/_kernel.py BoundLayer.step) and a recurring one-shot call's
- * (mpitree/_oneshot_lane.py) go through it: through ctypes, a layer's costs 2-3 us more
+ * (mpitree/_steps.py) go through it: through ctypes, a layer's costs 2-3 us more
  * on the caches the model's dense layers cooled (docs/benchmarks.md). Like ctypes, it
  * calls what ``fn`` and the struct's addresses name: a wrong address crashes the
  * process; it refuses only what it can tell is wrong (arguments of other types, a NULL
@@ -51,7 +51,12 @@ static PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                      view.len, sizeof(mpitree_step));
         return NULL;
     }
+    /* Without the GIL, as ctypes calls: the step blocks in MPI collectives, and another
+     * thread of this process may be what another rank waits for (a thread per
+     * communicator). The step touches no Python object. */
+    Py_BEGIN_ALLOW_THREADS
     code = fn((mpitree_step *)view.buf, out);
+    Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     return PyLong_FromLong(code);
 }

@@ -60,10 +60,29 @@ def default_comm() -> MPI.Intracomm:
     return _default_comm
 
 
+_BEFORE_FREE = []  # run at exit before the private communicator is freed
+
+
+def before_comm_free(fn):
+    """Run ``fn()`` at exit before the private communicator is freed (a decorator).
+
+    What holds requests on it frees them here: a merger's own finalizer may run
+    after this module's exit hook (``weakref.finalize`` runs its finalizers from
+    an exit hook of its own, registered first where another library made one
+    before mpitree was imported), and MPICH aborts freeing a request whose
+    communicator is gone.
+    """
+    _BEFORE_FREE.append(fn)
+    return fn
+
+
 @atexit.register
 def _free_default_comm():
-    """Free the private communicator before MPI finalizes."""
+    """Free the private communicator before MPI finalizes (its requests first)."""
     global _default_comm
+    if not MPI.Is_finalized():
+        for fn in _BEFORE_FREE:
+            fn()
     if _default_comm is not None and not MPI.Is_finalized():
         _default_comm.Free()
     _default_comm = None

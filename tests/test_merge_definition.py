@@ -293,7 +293,8 @@ def allreduce3(parts):
 
     def rank(r):
         try:
-            merger = types.SimpleNamespace(comm=ThreadComm(r, size, shared), buf=bufs[r])
+            kind = types.SimpleNamespace(buf=bufs[r], host=bufs[r])  # host memory: one array
+            merger = types.SimpleNamespace(comm=ThreadComm(r, size, shared), buf=bufs[r], kind=kind)
             with np.errstate(all="ignore"):  # a thread starts with numpy's default errstate
                 assert Allreduce3(merger).reduce(None, False) is False
         except BaseException as exc:  # reported below, in the test's thread

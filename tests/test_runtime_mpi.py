@@ -160,6 +160,72 @@ def test_two_threads_decoding_on_their_own_communicators_are_exact():
     assert "concurrent ok" in res.stdout
 
 
+THREE_THREADS_WARM = """
+import threading
+import numpy as np
+from mpi4py import MPI
+import mpitree
+world = MPI.COMM_WORLD
+comms = [world.Dup() for _ in range(3)]
+errors = []
+def decode(i):
+    rng = np.random.default_rng([i, 1])
+    q = rng.standard_normal((1, 4, 1, 8)).astype(np.float32)
+    ks = rng.standard_normal((world.size, 1, 2, 5, 8)).astype(np.float32)
+    ref, _ = mpitree.reference_attention(q, np.concatenate(ks, 2), np.concatenate(ks, 2))
+    k = ks[world.rank]
+    for step in range(60):  # warm calls take the one compiled call: it blocks in MPI
+        if step % 7 == 6:
+            mpitree.allreduce_state(mpitree.local_state(q, k, k), comms[i])
+            continue
+        out = mpitree.tree_decode(q, k, k, comms[i])
+        if not np.allclose(out, ref, atol=2e-5):
+            errors.append((i, step))
+ts = [threading.Thread(target=decode, args=(i,)) for i in range(3)]
+[t.start() for t in ts]; [t.join() for t in ts]
+assert not errors, errors
+if world.rank == 0:
+    print("warm threads ok")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_threads_on_the_warm_compiled_call_do_not_block_each_other():
+    """Three threads, each on its own communicator, repeat one call: its compiled form.
+
+    The compiled call blocks in MPI; it once held the GIL there, so a rank's other
+    threads (what the other rank waited for) never ran: a hang.
+    """
+    res = run(2, [sys.executable, "-c", THREE_THREADS_WARM], timeout=100)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "warm threads ok" in res.stdout
+
+
+EXIT_AFTER_A_FINALIZER = """
+import sys, weakref
+weakref.finalize(sys, print, "")  # as importing torch first makes one, before mpitree's hook
+import numpy as np
+import mpitree
+q, k = np.ones((1, 4, 1, 8), np.float32), np.ones((1, 2, 5, 8), np.float32)
+mpitree.tree_decode(q, k, k)
+plan = mpitree.DecodePlan(1, 4, 2, 8)  # kept to the exit: its request is on mpitree's comm
+plan.decode(q, k, k)
+print("decoded")
+"""
+
+
+def test_a_plan_kept_to_the_exit_exits_cleanly():
+    """A plan alive at exit, another library's finalizer made first: exit 0, no abort.
+
+    weakref's exit hook ran the plan's finalizer after mpitree's had freed the
+    communicator its request was on: MPICH aborted freeing the request (exit 1).
+    """
+    res = run(2, [sys.executable, "-c", EXIT_AFTER_A_FINALIZER], timeout=60)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "Assertion failed" not in out and "Abort" not in out, out
+    assert res.stdout.count("decoded") == 2
+
+
 # --------------------------------------------------------------------------------------
 # lifetimes: a dropped plan frees its persistent request
 # --------------------------------------------------------------------------------------
