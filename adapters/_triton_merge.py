@@ -14,8 +14,8 @@ between nodes, on any device.
 
 Records are float32 or float64, C-contiguous, on any device Triton runs on; CPU
 tensors run under Triton's interpreter (``TRITON_INTERPRET=1`` before triton's first
-kernel is defined). Nothing here is wired into a strategy yet: device buffers come
-with the merger's buffer kinds.
+kernel is defined). The ``device-node`` strategy launches it once a step over a
+node's shared slots (``mpitree._strategies.device_node``, ``_device_slots``).
 """
 
 from __future__ import annotations

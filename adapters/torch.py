@@ -5,8 +5,9 @@ it recognises them without importing torch and returns results on their device.
 This module adds what only torch users need: :func:`local_state` returning the
 records as a tensor on the tensors' device, and :func:`cuda_aware`. It also holds
 torch's device code, the namespace the core gives every torch tensor and the
-``"pinned"`` buffer kind of CUDA tensors' records (the core imports this module on
-the first tensor it sees; importing it registers both).
+``"pinned"`` and ``"device"`` buffer kinds of CUDA tensors' records (the core imports
+this module on the first tensor it sees; importing it registers them; the ``"device"``
+kind, ``_device_slots.Device``, is what the ``device-node`` strategy merges in).
 
 Local attention: float32 CPU tensors run the compiled kernel on memory shared
 with numpy (no copy); bfloat16 CUDA tensors without a mask run torch's fused
@@ -43,6 +44,8 @@ from mpitree._checks import check_masking, check_qkv
 from mpitree._local import state_records
 from mpitree._masks import visibility
 from mpitree._options import dtype_name
+
+from ._device_slots import Device
 
 __all__ = ["DecodePlan", "cuda_aware", "local_state", "tree_decode"]
 
@@ -300,3 +303,4 @@ def _flash_capable(torch, device):
 
 _namespace.register("torch", CudaTorch)
 register_kind(Pinned)
+register_kind(Device)

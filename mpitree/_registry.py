@@ -14,6 +14,15 @@ BUFFERS = ("host", "pinned", "device")  # the buffer kinds' names (``mpitree._bu
 HOST_MEMORY = BUFFERS[:2]
 
 
+def host_strategies():
+    """Return the registered strategies' names that merge in host memory, in their order.
+
+    What numpy arrays can run (the command line's tables): a strategy that merges only
+    in device buffers (``buffers = ("device",)``) needs a framework's device arrays.
+    """
+    return tuple(name for name, cls in REGISTRY.items() if set(cls.buffers) & set(HOST_MEMORY))
+
+
 def register(cls):
     """Add a strategy class to :data:`REGISTRY` under its ``name``, in its ``order``.
 

@@ -47,6 +47,7 @@ def test_public_api():
         "ring",
         "hierarchical",
         "node",
+        "device-node",
     }
 
 

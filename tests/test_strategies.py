@@ -22,7 +22,7 @@ from mpitree.cli import main
 from mpitree.cli.merge import merged
 
 ROOT = Path(__file__).resolve().parent.parent
-TODAY = ("allreduce", "allreduce3", "allgather", "hierarchical", "node", "ring")
+TODAY = ("allreduce", "allreduce3", "allgather", "hierarchical", "node", "ring", "device-node")
 # name: (needs_kv, uses_op, persistent, reproducible, modelled, auto_priority)
 ATTRIBUTES = {
     "allreduce": (False, True, True, False, True, 1),
@@ -31,13 +31,17 @@ ATTRIBUTES = {
     "hierarchical": (False, True, False, False, True, 0),
     "node": (False, True, False, False, False, None),
     "ring": (True, False, False, True, True, None),
+    "device-node": (False, True, False, False, False, None),
 }
+# name: the buffer kinds it merges in (the host strategies: host or pinned memory)
+BUFFERS = {"device-node": ("device",)}
 
 
 def old_op_needed(strategy, deterministic, acc, head_dim, native):
-    """``op_needed`` as 8d5d047 wrote it, the names spelled out (and ``node``, which
-    came later and runs the op among its node leaders)."""
-    if deterministic or strategy not in ("auto", "allreduce", "hierarchical", "node"):
+    """``op_needed`` as 8d5d047 wrote it, the names spelled out (and ``node`` and
+    ``device-node``, which came later and run the op among their node leaders)."""
+    uses = ("auto", "allreduce", "hierarchical", "node", "device-node")
+    if deterministic or strategy not in uses:
         return None
     if strategy == "auto" and not native:
         return None
@@ -103,7 +107,7 @@ def test_todays_attributes(name):
     cls = REGISTRY[name]
     got = (cls.needs_kv, cls.uses_op, cls.persistent, cls.reproducible, cls.modelled)
     assert (*got, cls.auto_priority) == ATTRIBUTES[name]
-    assert cls.buffers == ("host", "pinned")
+    assert cls.buffers == BUFFERS.get(name, ("host", "pinned"))
 
 
 @pytest.mark.parametrize("name", tuple(REGISTRY))
@@ -160,7 +164,8 @@ def test_names_lists_are_generated():
             _options.check_strategy(bad)
     with pytest.raises(AttributeError):
         _options.NOT_THERE  # noqa: B018
-    assert [name for name, _ in merged(2)] == [n for n in TODAY if n != "ring"]
+    # ring moves K/V; device-node merges device buffers, which numpy arrays have not
+    assert [name for name, _ in merged(2)] == [n for n in TODAY if n not in ("ring", "device-node")]
     assert [label for _, label in merged(0)] == [
         "allreduce, native op",
         "allreduce3 (paper's Alg. 3)",

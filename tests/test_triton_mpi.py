@@ -96,7 +96,11 @@ def test_records_land_in_a_device_kinds_buffer(device_strategy, triton_selected,
     dtype, tol = DTYPES["bfloat16"]
     prob = rounded(make_problem(23, [6, 0, 9][: comm.size], **CASES["gqa"]), dtype)
     q, k, v, kw = tensors(prob, dtype, "cpu", comm.rank)
-    out = mpitree.tree_decode(q, k, v, strategy=device_strategy.name, **kw)
+    comm = comm.Dup()  # a merger of its own: one cached by an earlier test is not rebuilt
+    try:
+        out = mpitree.tree_decode(q, k, v, strategy=device_strategy.name, comm=comm, **kw)
+    finally:
+        comm.Free()
     buf = device_strategy.built[-1].merger.buf
     assert [x.data_ptr() for x in written] == [buf.data_ptr()]
     ref, _ = prob.reference()

@@ -14,6 +14,7 @@ from .._kernel import kernel_isa, native_kernel_available, read_seconds
 from .._local import local_state, state_records
 from .._namespace import namespace
 from .._op import native_op_available
+from .._registry import host_strategies
 from .._runtime import default_comm, limit_blas_threads, ranks_on_node
 from .._strategies import REGISTRY
 from .._traffic import traffic
@@ -145,7 +146,7 @@ def measure(comm, args, workload, tokens):
     q = np.random.default_rng(7).standard_normal((args.batch, hq, 1, dim), dtype=np.float32)
     k = rng.standard_normal((args.batch, hkv, int(sizes[rank]), dim), dtype=np.float32)
     v = rng.standard_normal((args.batch, hkv, int(sizes[rank]), dim), dtype=np.float32)
-    strategies = tuple(REGISTRY)  # every registered strategy, in the registry's order
+    strategies = host_strategies()  # every registered one numpy arrays run, in order
     plans = {
         s: DecodePlan(args.batch, hq, hkv, dim, comm=comm, strategy=s, node_size=args.node_size)
         for s in strategies
@@ -239,7 +240,7 @@ def report(env, cells, steps):
     )
     print(f"MPI: {' '.join(env['mpi_library'].split(',')[0].split())}")  # Open MPI's runs long
     print(f"CPU: {env['cpu']}; local kernel: {env['kernel_build']}")
-    strategies = tuple(REGISTRY)
+    strategies = host_strategies()
     short = {"local (C kernel)": "local", **{n: c.short for n, c in REGISTRY.items() if c.short}}
     timed = ("local (C kernel)", *strategies)
     noisy = False
@@ -391,7 +392,7 @@ def plot(cells, path):
         rows = sorted((c for c in cells if c["workload"] == wl), key=lambda c: c["tokens"])
         base = rows[0]["times"]["ring"]["median_ms"]
         n = [c["tokens"] for c in rows]
-        for name in (*REGISTRY, "local (C kernel)"):
+        for name in (*host_strategies(), "local (C kernel)"):
             ax.plot(
                 n,
                 [c["times"][name]["median_ms"] / base for c in rows],

@@ -7,6 +7,7 @@ from mpi4py import MPI
 
 from .._merger import Merger
 from .._op import native_op_available, python_op
+from .._registry import host_strategies
 from .._runtime import default_comm
 from .._strategies import REGISTRY
 from ._args import count
@@ -37,7 +38,7 @@ def merged(node_size):
     return [
         (name, (cls.label or name).format(nodes=nodes, op=op))
         for name, cls in REGISTRY.items()
-        if not cls.needs_kv
+        if not cls.needs_kv and name in host_strategies()
     ]
 
 
