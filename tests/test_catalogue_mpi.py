@@ -752,11 +752,13 @@ def test_catalogue_covers_every_entry_point(monkeypatch):
 
 
 # Modules allowed to call MPI: the guard, the strategies and invariant mode's merger
-# (data collectives behind the merger), sharded prefill's collectives (each carrying
-# the failure flags), the node split, the private communicator, and the command line.
+# (data collectives behind the merger; adapters/_device_slots.py is the device-node
+# strategy's torch half, built and run by that strategy only), sharded prefill's
+# collectives (each carrying the failure flags), the node split, the private
+# communicator, and the command line.
 MPI_MODULES = {
     "_guard.py", "_topology.py", "_runtime.py", "_merger.py", "_invariant_merger.py",
-    "_prefill_collectives.py",
+    "_prefill_collectives.py", "_device_slots.py",
 }  # fmt: skip
 MPI_CALLS = {
     "Allreduce", "Allgather", "Allgatherv", "Bcast", "Reduce", "Reduce_scatter", "Barrier",
