@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import threading
 
 import numpy as np
 import torch
@@ -31,9 +30,8 @@ from mpi4py import MPI
 
 from mpitree._buffers import BufferKind
 from mpitree._strategies.node import window_of
+from mpitree._topology import CommCache
 
-_keyval = None
-_lock = threading.Lock()
 _TRITON = []  # whether triton is installed, looked up once
 
 
@@ -121,23 +119,8 @@ class IpcWindow:
         self.memory, self.slot = None, 0
 
 
-def _delete(node, keyval, window):
-    """Attribute delete callback: drop the device slots with their node communicator."""
-    window.free()
-
-
-def ipc_window_of(node):
-    """Return ``node``'s :class:`IpcWindow`, made on first use (cached on the communicator)."""
-    global _keyval
-    if _keyval is None:
-        with _lock:
-            if _keyval is None:
-                _keyval = MPI.Comm.Create_keyval(delete_fn=_delete)
-    window = node.Get_attr(_keyval)
-    if window is None:
-        window = IpcWindow(node)
-        node.Set_attr(_keyval, window)
-    return window
+#: ``ipc_window_of(node)``: the node communicator's :class:`IpcWindow`, made on first use
+ipc_window_of = CommCache(IpcWindow)
 
 
 class Slots:

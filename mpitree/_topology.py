@@ -5,8 +5,35 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-_keyval = None
-_lock = threading.Lock()
+
+class CommCache:
+    """One object per communicator, made on first use and freed with the communicator.
+
+    ``make(comm)`` builds it (collectively where it communicates: every rank asks at
+    the same point); its ``free()`` runs when the communicator is freed (an
+    attribute's delete callback, as MPI calls it). What is cached here: the node
+    layouts, and the node strategies' shared record slots.
+    """
+
+    def __init__(self, make):
+        self._make, self._keyval, self._lock = make, None, threading.Lock()
+
+    def __call__(self, comm):
+        """Return ``comm``'s object, made now on first use."""
+        if self._keyval is None:
+            with self._lock:
+                if self._keyval is None:
+                    self._keyval = MPI.Comm.Create_keyval(delete_fn=_free_cached)
+        value = comm.Get_attr(self._keyval)
+        if value is None:
+            value = self._make(comm)
+            comm.Set_attr(self._keyval, value)
+        return value
+
+
+def _free_cached(comm, keyval, value):
+    """Attribute delete callback: free the cached object with its communicator."""
+    value.free()
 
 
 @dataclass
@@ -25,10 +52,16 @@ class Layout:
                 c.Free()
 
 
-def _delete(comm, keyval, layouts):
-    """Attribute delete callback: free the cached sub-communicators with their parent."""
-    for lay in layouts.values():
-        lay.free()
+class _Layouts(dict):
+    """A communicator's layouts by node size; freed with it."""
+
+    def free(self):
+        """Free every layout's sub-communicators."""
+        for lay in self.values():
+            lay.free()
+
+
+_layouts = CommCache(lambda comm: _Layouts())
 
 
 def _build(comm, size):
@@ -46,15 +79,7 @@ def _build(comm, size):
 
 def layout(comm, size=0):
     """Return the node layout of ``comm``; collective over ``comm`` on first use per size."""
-    global _keyval
-    if _keyval is None:
-        with _lock:
-            if _keyval is None:
-                _keyval = MPI.Comm.Create_keyval(delete_fn=_delete)
-    cache = comm.Get_attr(_keyval)
-    if cache is None:
-        cache = {}
-        comm.Set_attr(_keyval, cache)
+    cache = _layouts(comm)
     if size not in cache:
         cache[size] = _build(comm, size)
     return cache[size]

@@ -28,20 +28,15 @@ It merges in host memory (its buffer kinds: host or pinned): the strategy's
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 from mpi4py import MPI
 
 from .._library import address, native_lib
 from .._op import record_op
 from .._state import combine_records
-from .._topology import layout
+from .._topology import CommCache, layout
 from .._traffic import traffic
 from . import Strategy, flagged, register, set_flag
-
-_keyval = None
-_lock = threading.Lock()
 
 
 class Window:
@@ -77,23 +72,8 @@ class Window:
             win.Free()
 
 
-def _delete(node, keyval, window):
-    """Attribute delete callback: free the window with its node communicator."""
-    window.free()
-
-
-def window_of(node):
-    """Return ``node``'s :class:`Window`, made on first use (cached on the communicator)."""
-    global _keyval
-    if _keyval is None:
-        with _lock:
-            if _keyval is None:
-                _keyval = MPI.Comm.Create_keyval(delete_fn=_delete)
-    window = node.Get_attr(_keyval)
-    if window is None:
-        window = Window(node)
-        node.Set_attr(_keyval, window)
-    return window
+#: ``window_of(node)``: the node communicator's :class:`Window`, made on first use
+window_of = CommCache(Window)
 
 
 def _shared_node(node, comm):
