@@ -57,6 +57,11 @@ def now():
     return TIMES[NOW[0]]
 
 
+def struct(bound):
+    """Return a bound layer's step struct (``Bound.struct``; ``BoundLayer.call`` before)."""
+    return bound.struct if hasattr(bound, "struct") else bound.call
+
+
 def per_step(times, steps):
     """Each step's mean over its layers of the call less its kernel and collective (seconds)."""
     calls, kernels, colls = (times[k] for k in ("mpitree call", "kernel", "collective"))
@@ -150,7 +155,7 @@ def main():
             finally:
                 calls.append((module.layer_idx, time.perf_counter() - start))
 
-        bound = [layer.fast.bound.call for layer in cache.layers if layer.fast is not None]
+        bound = [struct(layer.fast.bound) for layer in cache.layers if layer.fast is not None]
         funcs["mpitree"] = outer
         for call in bound:
             call.timed, call.kernel_ns = 1, -1
@@ -165,7 +170,7 @@ def main():
             funcs["mpitree"] = timed_call
         for idx, took in calls[1:] if keep else ():
             fast = cache.layers[idx].fast
-            call = None if fast is None else fast.bound.call
+            call = None if fast is None else struct(fast.bound)
             if fast is not None and fast.bound.merger is None:  # every rank alike
                 if comm.rank == 0:
                     print(

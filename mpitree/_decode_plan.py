@@ -18,15 +18,70 @@ from ._invariant_step import (
     invariant_pieces,
     invariant_signature,
 )
+from ._library import address
 from ._namespace import Array
 from ._options import INVARIANT, Options
 from ._runtime import limit_blas_threads
 from ._state import finish
 from ._steps import Step
+from ._traffic import hook
 
 FAST_PATH = True  # plans skip re-validating an unchanged layout (False: benchmarks, tests)
 _full_blocks = 0  # open extend.tools.full_checks blocks: FAST_PATH is (_full_blocks == 0)
 _full_lock = threading.Lock()
+
+
+def _decode_lane(
+    plan,
+    q,
+    k,
+    v,
+    *,
+    kv_len=None,
+    q_pos=None,
+    k_pos=None,
+    mask=None,
+    return_lse=False,
+    kv_start=None,
+    kv_blocks=None,
+):
+    """:meth:`DecodePlan.decode`'s lane: the plan's step in one compiled call; else None.
+
+    It runs where the plan's step is bound once (:meth:`Step.compile
+    <mpitree._steps.Step.compile>`), the step has no lengths, positions, mask,
+    lse or placement, the fast path is on (no :class:`full_checks` block) and no
+    observer is on the phase hook (``phase_times`` times the guarded path's
+    phases), and its arrays have the layout of the last step that passed the
+    full checks (:meth:`KernelSlot.load <mpitree._step.KernelSlot.load>`): the
+    kernel over the shard, the merge (this rank's flag clear) and the output, as
+    the guarded path's fast branch computes them, bit for bit. Otherwise it
+    returns None before any collective, and :meth:`DecodePlan.decode` runs: its
+    merge is the same collective, so a rank whose checks fail there raises on
+    every rank, those here included (:meth:`Merger.merge_layer
+    <mpitree._merger.Merger.merge_layer>`).
+    """
+    try:
+        compiled = plan._compiled
+        if (
+            compiled is None
+            or kv_len is not None
+            or q_pos is not None
+            or k_pos is not None
+            or mask is not None
+            or return_lse is not False
+            or kv_start is not None
+            or kv_blocks is not None
+            or not FAST_PATH
+            or hook.observer is not None
+            or not plan._step.kernel.load(q, k, v, compiled.struct)
+        ):
+            return None
+        out = np.empty(q.shape, np.float32)
+        target = address(out)
+    except Exception:  # nothing has communicated: the guarded path decides
+        return None
+    plan._merger.merge_layer(compiled, target)
+    return out
 
 
 class DecodePlan:
@@ -126,6 +181,7 @@ class DecodePlan:
         self._ranks = comm.Get_size()  # for repr, which may run after MPI.Finalize()
         limit_blas_threads()
         self._step = Step(call, self.problem, self.options)  # its kernel: the last checked layout
+        self._compiled = self._step.compile(self._merger)  # its fast form (decode's lane)
 
     @property
     def scale(self) -> float:
@@ -137,7 +193,7 @@ class DecodePlan:
         """The virtual node size (0: real nodes) the plan's merges run on."""
         return self.options.node_size
 
-    @entry_point
+    @entry_point(lane=_decode_lane)
     def decode(
         self,
         q: Array,

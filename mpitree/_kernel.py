@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from ._library import AttnArgs, StepArgs, StepLocal, StepOutput, address, bind_call, native_lib
+from ._library import AttnArgs, address, native_lib
 from ._traffic import hook
 
 KERNEL_ENV = "MPITREE_LOCAL_KERNEL"  # "native" (default when built) or "numpy"
@@ -425,113 +425,6 @@ class Prepared:
         args.t = k.shape[2]
         args.lens = None if lens is None else address(lens)
         self._fn(self._ref, address(q), self._kp, self._vp, self._op, self._sp)
-
-
-class BoundLayer:
-    """One decode layer's kernel call bound to fixed addresses: one C call per step each way.
-
-    A cache layer whose K/V grow in place inside fixed buffers, merged through
-    one merger's fixed record buffer, runs the kernel on the same addresses,
-    strides and scale step after step: only the query, the shard length and the
-    step's visibility change. This holds the compiled library's ``mpitree_step``
-    struct with everything else bound (no agreement: the layer's step runs after
-    its entry point's). A step sets ``call.q``, ``call.t``,
-    ``call.vis`` and ``call.vis_heads``; :meth:`fill` runs the kernel into the
-    records and, after the merge, :meth:`finish` writes the output in
-    ``(B, Sq, Hq, D)`` order. Where the merge is one persistent all-reduce
-    (:meth:`bind_merge`), ``step`` does all three in one call. The caller
-    checks that the layout it was bound for still holds; the arrays behind the
-    addresses are kept alive here.
-
-    Attributes
-    ----------
-    call : StepArgs
-        The bound ``mpitree_step`` struct.
-    merger : mpitree._merger.Merger or None
-        The merge bound by :meth:`bind_merge`.
-    step : callable
-        ``step(out) -> int``: run the kernel, the bound merge and, unless a rank
-        failed, the output into the float32 ``(B, Sq, Hq, D)`` at address
-        ``out``. It returns a :class:`~mpitree._library.StepCode`: ``OK``
-        (``out`` written), ``FLAGGED``, ``MERGE_ERROR``, ``UNBOUND`` (no merge
-        is bound: nothing ran), ``FINALIZED`` or ``AGREE_ERROR`` (MPI_Finalized
-        failed). ``mpitree_step_run`` itself, its struct bound (no Python frame:
-        a decode layer calls it every step).
-    """
-
-    __slots__ = ("_attend", "_finish", "_keep", "_ref", "call", "merger", "step")
-
-    def __init__(self, lib, shape, kv_heads, k, v, records, scale, keep):
-        b, hq, sq, dim = shape
-        call = self.call = StepArgs()
-        call.local, call.output = StepLocal.KERNEL, StepOutput.LAYER
-        call.args = AttnArgs(b, hq, kv_heads, sq, dim, _I64x3(*k[1]), _I64x3(*v[1]), 0, 0)
-        call.args.scale = scale
-        scratch = np.empty(lib.mpitree_attend_scratch(hq // kv_heads * sq, dim), np.float32)
-        call.k, call.v, call.rec, call.scratch = k[0], v[0], records, address(scratch)
-        self._keep = (*keep, scratch)
-        self._ref = ctypes.byref(call)
-        self._attend, self._finish = lib.mpitree_step_local, lib.mpitree_step_output
-        self.step = bind_call(lib.mpitree_step_run, call, self._keep)
-        self.merger = None
-
-    @classmethod
-    def of(cls, shape, kv_heads, k, v, records, scale, keep=()):
-        """Bind a layer; None without the compiled library.
-
-        Parameters
-        ----------
-        shape : tuple of int
-            The query's ``(B, Hq, Sq, D)``; the query is C-contiguous float32.
-        kv_heads : int
-            ``Hkv``, dividing ``Hq``.
-        k, v : tuple
-            ``(address, (batch, head, key) strides in elements)`` of float32 K and V
-            ``(B, Hkv, T, D)`` with unit stride along ``D``.
-        records : int
-            Address of the merge's float32 ``(B, Hq, Sq, D + 2)`` records, C order.
-        scale : float
-            The score scale.
-        keep : tuple
-            The objects owning those addresses, held while the binding lives.
-        """
-        lib = _lib()
-        if lib is None:
-            return None
-        return cls(lib, shape, kv_heads, k, v, records, scale, keep)
-
-    def fill(self, records):
-        """Run the kernel into the bound records (``records``: the merger's same buffer).
-
-        The call is the ``"kernel"`` phase of an observer on :data:`~._traffic.hook`.
-        """
-        observer = hook.observer
-        if observer is not None and observer.enter("kernel"):
-            return observer.timed("kernel", self._attend, self._ref)
-        self._attend(self._ref)
-
-    def finish(self, out):
-        """Write the merged records' output to address ``out``: float32 ``(B, Sq, Hq, D)``."""
-        self._finish(self._ref, out)
-
-    def bind_merge(self, merger, collective):
-        """Bind the merge that :meth:`step` runs (use :meth:`Merger.bind_layer`).
-
-        Parameters
-        ----------
-        merger : mpitree._merger.Merger
-            The merger whose records this layer was bound to; kept in ``merger``.
-        collective : tuple
-            ``(finalized, start, wait, request, flag)``: the addresses of
-            ``MPI_Finalized``, ``MPI_Start`` and ``MPI_Wait``, of the handle of the
-            merger's persistent all-reduce (over the records and the flag record
-            after them), and of the float32 flag record's ``m``; start, wait and
-            request None with one rank (no collective).
-        """
-        call = self.call
-        call.finalized, call.start, call.wait, call.request, call.flag = collective
-        self.merger = merger
-        self.step.keep = (*self._keep, merger)  # its request and flag: the step reads them
 
 
 def read_seconds(x):

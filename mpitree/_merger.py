@@ -161,21 +161,21 @@ class Merger:
         return self.records if rows is None else self.kind.output(rows)
 
     def bind_layer(self, bound):
-        """Bind a layer's one-call step to this merge.
+        """Bind a compiled step (a plan's, a recurring call's, a layer's) to this merge.
 
         Parameters
         ----------
-        bound : mpitree._kernel.BoundLayer
-            Bound to this merger's records.
+        bound : mpitree._steps.Bound
+            Bound to this merger's records; this calls its ``bind_merge``.
 
         Returns
         -------
         bool
             Whether it could: where the records are float32 host memory and the
             strategy merges in one persistent all-reduce (or there is one rank).
-            :meth:`merge_layer` then runs the layer's whole step in one
-            compiled call; otherwise it runs the kernel inside :meth:`merge`,
-            then finishes.
+            :meth:`merge_layer` then runs the whole step in one compiled call;
+            otherwise it runs the step's local part inside :meth:`merge`, then
+            finishes.
         """
         host = self.kind.host_memory and self.buf.dtype == np.float32
         collective = self._impl.bound_collective() if host else None
@@ -185,16 +185,22 @@ class Merger:
         return True
 
     def merge_layer(self, bound, out):
-        """Run a bound layer's kernel, this merge and its output in one compiled call.
+        """Run a bound step's local part, this merge and its output in one compiled call.
+
+        For a step with no agreement (a plan's, a layer's): every code but ``OK``
+        raises.
 
         Parameters
         ----------
-        bound : mpitree._kernel.BoundLayer
+        bound : mpitree._steps.Bound
             Bound to this merger's records; its step cannot fail locally, so this
-            rank's flag is clear. Bound by :meth:`bind_layer`, it runs in one
-            call; otherwise its kernel runs inside :meth:`merge`, then it finishes.
+            rank's flag is clear (a rank whose checks failed runs :meth:`merge`
+            with its verdict instead: the same collective). Bound by
+            :meth:`bind_layer`, it runs in one call; otherwise its local part
+            runs inside :meth:`merge`, then it finishes.
         out : int
-            Address of the float32 ``(B, Sq, Hq, D)`` output, written on success.
+            Address of the float32 output in the step's bound layout, written on
+            success.
 
         Raises
         ------
@@ -213,13 +219,14 @@ class Merger:
         observer = hook.observer
         if observer is not None and observer.enter("merge"):
             return observer.timed("merge", self._clocked_layer, observer, bound, out)
-        code = self._impl.reduce_bound(bound, out) if bound.merger is self else None
+        ref = bound.merger
+        code = self._impl.reduce_bound(bound, out) if ref is not None and ref() is self else None
         if code is None:  # unbound, or freed: the general path (as a merge after free runs)
             check_mpi_usable()  # the one call asks MPI_Finalized; so must its replacement
             self.merge(bound)
             bound.finish(out)
-        elif code:  # a layer binds no agreement: every code but OK raises
-            settle_code(code, self.comm, bound.call)
+        elif code:  # no agreement is bound: every code but OK raises
+            settle_code(code, self.comm, bound.struct)
 
     def _clocked_layer(self, observer, bound, out):
         """:meth:`merge_layer` with the compiled step's own clock on (``call.timed``).
@@ -228,7 +235,7 @@ class Merger:
         one compiled call ran (the general path leaves them at -1: its kernel
         reports itself).
         """
-        call = bound.call
+        call = bound.struct
         call.timed, call.kernel_ns, call.collective_ns = 1, -1, -1
         try:
             self.merge_layer(bound, out)

@@ -76,7 +76,7 @@ def _decode_step(
         if v.shape[2] != t or (sq != 1 and KernelSlot.prompt(b, hq, sq, t)):
             return None  # K and V lengths differ, or a prompt: the full checks decide
         out = np.empty(q.shape, np.float32)
-        struct = step.struct  # the compiled form: this call's arrays and shard length
+        struct = step.compiled.struct  # the compiled form: this call's arrays and shard length
         struct.q, struct.k, struct.v = address(q), address(k), address(v)
         struct.t, target = t, address(out)
     except Exception:  # nothing has communicated: the guarded path decides
@@ -97,7 +97,7 @@ def _state_step(state, comm=None, strategy="auto", *, deterministic=False, node_
         if merger is None or type(records) is not np.ndarray or not records.flags.c_contiguous:
             return None
         out = np.empty(records.shape, np.float32)
-        step.struct.source, target = address(records), address(out)
+        step.compiled.struct.source, target = address(records), address(out)
     except Exception:  # nothing has communicated: the guarded path decides
         return None
     settled = step.finish(merger, target, lambda call: step.state(call, records))

@@ -87,12 +87,13 @@ class KernelSlot:
     whose layout the caller found unchanged (a recurring one-shot call).
     """
 
-    __slots__ = ("_key", "_layout", "_out", "_prepared", "_rows", "_size")
+    __slots__ = ("_call", "_key", "_layout", "_out", "_prepared", "_rows", "_size")
 
     def __init__(self):
         self._key, self._prepared, self._size, self._out = None, None, 0, (None, 0)
         self._rows = (0, 0, 0)  # the bound query's (B, Hq, Sq)
         self._layout = None  # the :func:`_layout` that :meth:`step` runs (None: none)
+        self._call = None  # a compiled step's struct kept pointed at the bound kernel
 
     @staticmethod
     def prompt(b, hq, sq, t):
@@ -124,6 +125,8 @@ class KernelSlot:
             return False
         self._prepared = Prepared.of(att.q, att.k, att.v, att.scale)
         self._layout = None if self._prepared is None else _layout(att.q, att.k, att.v, kv_len)
+        if self._layout is not None and self._call is not None:
+            self._aim(self._call)
         return self._layout is not None
 
     def unbind(self):
@@ -162,8 +165,36 @@ class KernelSlot:
             self._out = (records, address(records))
         self._prepared.run_raw(address(q), address(k), address(v), k.shape[2], self._out[1])
 
+    def load(self, q, k, v, call):
+        """Set a compiled step's arrays for a step with the bound layout and no lengths.
+
+        As :meth:`step` with ``kv_len`` None, for the struct :meth:`point` keeps
+        aimed at the bound kernel: it sets ``call``'s ``q``, ``k``, ``v`` and ``t``
+        where the step may run bound, and returns whether it may (False: nothing
+        set; the caller's checked path decides). Checks nothing else.
+        """
+        layout = self._layout
+        if layout is None or _layout(q, k, v, None) != layout:
+            return False
+        t = k.shape[2]
+        b, hq, sq = self._rows
+        if v.shape[2] != t or (sq != 1 and self.prompt(b, hq, sq, t)):  # :meth:`takes`, inline
+            return False
+        call.q, call.k, call.v, call.t = address(q), address(k), address(v), t
+        return True
+
     def point(self, call):
-        """Point a compiled step's struct (a ``StepArgs``) at the bound kernel and its scratch."""
+        """Keep a compiled step's struct (a ``StepArgs``) aimed at the bound kernel.
+
+        Its kernel arguments and scratch are the bound kernel's now (where one is
+        bound) and again whenever :meth:`bind` binds another layout.
+        """
+        self._call = call
+        if self._prepared is not None:
+            self._aim(call)
+
+    def _aim(self, call):
+        """Copy the bound kernel's arguments and scratch address into ``call``."""
         call.args, call.scratch = self._prepared.args, address(self._prepared.scratch)
 
     def fill(self, att, records):

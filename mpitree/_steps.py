@@ -45,8 +45,18 @@ from mpi4py import MPI
 
 from ._agreed import agreed_merger, kept
 from ._guard import _VECTOR, Call, _encoding, _entry, settle
-from ._library import StepArgs, StepCode, StepLocal, StepOutput, address, bind_call, native_lib
-from ._options import NODE_SIZE_ENV
+from ._kernel import native_kernel_available
+from ._library import (
+    AttnArgs,
+    StepArgs,
+    StepCode,
+    StepLocal,
+    StepOutput,
+    address,
+    bind_call,
+    native_lib,
+)
+from ._options import INVARIANT, NODE_SIZE_ENV
 from ._registry import needs_kv
 from ._runtime import mpi_calls
 from ._state import finish, trusted_state
@@ -57,6 +67,7 @@ from ._traffic import hook, traffic
 _HANDLE_BYTES = {MPI._sizeof(MPI.Comm), MPI._sizeof(MPI.Datatype), MPI._sizeof(MPI.Op)}
 _MERGED = int(StepCode.MERGE_ERROR)  # codes up to it: every rank agreed and merged
 _SIZE = 16
+_I64x3 = ctypes.c_int64 * 3
 
 
 class Layout(NamedTuple):
@@ -110,6 +121,147 @@ def options_key(strategy, scale, deterministic, node_size):
     return (strategy, scale, deterministic, node_size)
 
 
+class Bound:
+    """The one compiled step (``mpitree_step_run``) bound once: what every fast path runs.
+
+    A recurring one-shot call (:meth:`Step.bind`), a :class:`~._decode_plan.DecodePlan`
+    (:meth:`Step.compile`) and a transformers decode layer (:meth:`layer`) each bind
+    one: its ``StepArgs`` struct holds this rank's records (the kernel over a
+    shard, or a state's records copied in), the output's layout and, as an option,
+    the agreement (the vector :func:`~._guard.agree` sent for the call, made again
+    in C first; none for a plan or a layer, which agreed before). A step then sets
+    only this call's fields (``q``, ``k``, ``v``, ``t``, ``vis``, or ``source``)
+    and runs :attr:`run`. The merge is bound by :meth:`Merger.bind_layer
+    <mpitree._merger.Merger.bind_layer>` (it calls :meth:`bind_merge`) where it is
+    one persistent all-reduce, or there is one rank; otherwise the caller runs
+    :meth:`fill` inside :meth:`Merger.merge <mpitree._merger.Merger.merge>`, then
+    :meth:`finish`. The caller checks that what it was bound for still holds.
+
+    Parameters
+    ----------
+    local : StepLocal
+        ``KERNEL`` (the caller points ``struct.args``, ``scratch``, and a layer's
+        ``k`` and ``v``, at the kernel's) or ``COPY``.
+    output : StepOutput
+        ``LAYER``, ``HEADS`` or ``RECORDS``.
+    records : numpy.ndarray
+        The merger's float32 ``(rows, D + 2)`` records, C order (``Merger.records``).
+    keep : tuple, optional
+        What the struct's addresses point into, held while the binding lives (never
+        a merger kept in a memo: :meth:`Step.bind` holds its merger weakly).
+    agreement : tuple, optional
+        ``(comm, sent)``: the communicator the call agreed over and the vector it
+        sent (four int64). None: no agreement.
+
+    Attributes
+    ----------
+    struct : StepArgs
+        The bound ``mpitree_step`` struct.
+    run : callable
+        ``run(out) -> int``: ``mpitree_step_run`` with the struct bound (no Python
+        frame: :func:`~._library.bind_call`). It writes the output to address
+        ``out`` unless some rank failed, and returns a :class:`StepCode`.
+    merger : weakref.ref or None
+        The merger bound by :meth:`bind_merge` (a weak reference), else None.
+    nbytes : int
+        Bytes the bound merge hands to MPI (0: one rank, no collective).
+    """
+
+    __slots__ = ("_attend", "_finish", "_ref", "agreement", "merger", "nbytes", "run", "struct")
+
+    def __init__(self, local, output, records, keep=(), agreement=None):
+        lib = native_lib()
+        struct = self.struct = StepArgs()
+        struct.local, struct.output = local, output
+        struct.rec, struct.nbytes = address(records), records.nbytes
+        self.agreement = agreement
+        if agreement is not None:
+            struct.sent[:] = agreement[1]
+        self._ref = ctypes.byref(struct)
+        self._attend, self._finish = lib.mpitree_step_local, lib.mpitree_step_output
+        self.run = bind_call(lib.mpitree_step_run, struct, keep)
+        self.merger, self.nbytes = None, 0
+
+    @classmethod
+    def layer(cls, shape, kv_heads, k, v, records, scale, keep=()):
+        """Bind a decode layer's step (no agreement, output ``LAYER``); None without the kernel.
+
+        Parameters
+        ----------
+        shape : tuple of int
+            The query's ``(B, Hq, Sq, D)``; the query is C-contiguous float32.
+        kv_heads : int
+            ``Hkv``, dividing ``Hq``.
+        k, v : tuple
+            ``(address, (batch, head, key) strides in elements)`` of float32 K and V
+            ``(B, Hkv, T, D)`` with unit stride along ``D``.
+        records : numpy.ndarray
+            The merge's float32 ``(B * Hq * Sq, D + 2)`` records, C order.
+        scale : float
+            The score scale.
+        keep : tuple
+            The objects owning those addresses (the merger's too), held while the
+            binding lives.
+        """
+        if not native_kernel_available():
+            return None
+        lib = native_lib()
+        b, hq, sq, dim = shape
+        scratch = np.empty(lib.mpitree_attend_scratch(hq // kv_heads * sq, dim), np.float32)
+        bound = cls(StepLocal.KERNEL, StepOutput.LAYER, records, (*keep, scratch))
+        struct = bound.struct
+        struct.args = AttnArgs(b, hq, kv_heads, sq, dim, _I64x3(*k[1]), _I64x3(*v[1]), 0, 0)
+        struct.args.scale = scale
+        struct.k, struct.v, struct.scratch = k[0], v[0], address(scratch)
+        return bound
+
+    def bind_merge(self, merger, collective):
+        """Bind the merge that :attr:`run` runs (use :meth:`Merger.bind_layer`).
+
+        Parameters
+        ----------
+        merger : mpitree._merger.Merger
+            The merger whose records this step was bound to (held weakly in
+            :attr:`merger`: the caller keeps it alive).
+        collective : tuple
+            ``(finalized, start, wait, request, flag)``: the addresses of
+            ``MPI_Finalized``, ``MPI_Start`` and ``MPI_Wait``, of the handle of the
+            merger's persistent all-reduce (over the records and the flag record
+            after them), and of the float32 flag record's ``m``; start, wait and
+            request None with one rank (no collective). With an agreement and a
+            collective, the agreement's ``MPI_Allreduce`` and handles are bound too.
+        """
+        struct = self.struct
+        finalized, start, wait, request, flag = collective
+        struct.finalized, struct.start, struct.wait = finalized, start, wait
+        struct.request, struct.flag = request, flag
+        self.merger = weakref.ref(merger)
+        self.nbytes = merger.buf.nbytes if start is not None else 0  # bytes counted per merge
+        if start is not None and self.agreement is not None:
+            struct.allreduce = mpi_calls()[3] or 0
+            struct.handle_bytes = size = MPI._sizeof(MPI.Comm)
+            # as the C type's value: a 4-byte handle as a signed int, so C converts it exactly
+            signed = ctypes.c_int32 if size == 4 else ctypes.c_int64
+            struct.comm = signed(MPI._handleof(self.agreement[0])).value
+            struct.int64_type = signed(MPI._handleof(MPI.INT64_T)).value
+            struct.min_op = signed(MPI._handleof(MPI.MIN)).value
+
+    def fill(self, records):
+        """Run the bound local part into the bound records (``records``: the merger's same buffer).
+
+        For the merge's general path (:meth:`Merger.merge <mpitree._merger.Merger.merge>`).
+        The call is the ``"kernel"`` phase of an observer on :data:`~._traffic.hook`.
+        """
+        observer = hook.observer
+        if observer is not None and observer.enter("kernel"):
+            return observer.timed("kernel", self._attend, self._ref)
+        self._attend(self._ref)
+
+    def finish(self, out):
+        """Write the merged records' output to address ``out``, in the bound layout."""
+        self._finish(self._ref, out)
+
+
 class Step:
     """An agreed attention step: prepare, agree, bind, run; made once, run step after step.
 
@@ -143,17 +295,15 @@ class Step:
         "checked",
         "comm",
         "comm_arg",
+        "compiled",
         "entry",
         "fast",
         "kept",
         "kernel",
         "merger",
-        "nbytes",
         "options",
         "problem",
         "rows",
-        "run",
-        "struct",
     )
 
     def __init__(self, call, problem=None, options=None):
@@ -165,7 +315,7 @@ class Step:
         self.fast = True  # whether a plan step may skip the checks of an unchanged layout
         self.comm_arg = self.comm = self.entry = self.kept = None
         self.merger = None  # a weak reference to the merger the compiled form was tried with
-        self.struct, self.run, self.nbytes = None, None, 0
+        self.compiled = None  # a one-shot call's Bound (:meth:`bind`)
 
     @classmethod
     def of(cls, call):
@@ -215,7 +365,7 @@ class Step:
 
     # --------------------------------------------------------------------- bind
     def bind(self, agreed, comm_arg, comm, merger, entry):
-        """After an outermost one-shot call: bind the compiled form, once per merger.
+        """After an outermost one-shot call: bind its :class:`Bound` form, once per merger.
 
         ``agreed`` is that call's :class:`Call` (agreed under ``entry``: the vector
         it sent is the one the compiled form sends). It binds where the compiled
@@ -226,7 +376,7 @@ class Step:
         if self.merger is not None and self.merger() is merger and self.comm_arg is comm_arg:
             return  # bound, or tried, with this merger already
         self.comm_arg, self.comm, self.entry = comm_arg, comm, entry
-        self.merger, self.run = weakref.ref(merger), None
+        self.merger, self.compiled = weakref.ref(merger), None
         call = agreed
         sent = call.sent
         last = self.kept = kept(call)
@@ -241,39 +391,37 @@ class Step:
             or last.merger() is not merger
         ):
             return
-        struct = self.struct = StepArgs()
+        agreement = (comm, _VECTOR.unpack(sent))
         if self.problem is None:  # allreduce_state's: its records copied in, out again
-            struct.local, struct.output = StepLocal.COPY, StepOutput.RECORDS
+            bound = Bound(StepLocal.COPY, StepOutput.RECORDS, merger.records, (), agreement)
         else:
-            struct.local, struct.output = StepLocal.KERNEL, StepOutput.HEADS
-            self.kernel.point(struct)
-        struct.rec, struct.nbytes = address(merger.records), merger.records.nbytes
-        struct.sent[:] = _VECTOR.unpack(sent)
-        if not merger.bind_layer(self) or (struct.start and mpi_calls()[3] is None):
-            return
-        self.run = bind_call(native_lib().mpitree_step_run, struct)  # run(out) -> a StepCode
+            bound = Bound(StepLocal.KERNEL, StepOutput.HEADS, merger.records, (), agreement)
+            self.kernel.point(bound.struct)
+        if merger.bind_layer(bound) and (bound.struct.allreduce or not bound.struct.start):
+            self.compiled = bound  # run(out) -> a StepCode
 
-    def bind_merge(self, merger, collective):
-        """Take the merge's compiled collective (:meth:`Merger.bind_layer` hands it).
+    def compile(self, merger):
+        """Return a plan's step bound once as a :class:`Bound`, or None where it cannot be.
 
-        ``collective`` is ``(finalized, start, wait, request, flag)``: the
-        addresses of ``MPI_Finalized``, ``MPI_Start`` and ``MPI_Wait``, of the
-        merger's persistent all-reduce and of its flag record's ``m`` (start, wait
-        and request None with one rank: no collective).
+        No agreement (the plan agreed at construction): the kernel its slot binds
+        (re-pointed whenever it binds another layout, :meth:`KernelSlot.point`),
+        the merge and the ``(B, Hq, Sq, D)`` output, in one compiled call. None
+        without the compiled library, in validate or invariant mode, or where
+        ``merger`` does not merge float32 host records in one persistent
+        all-reduce (or with one rank): :meth:`Merger.bind_layer
+        <mpitree._merger.Merger.bind_layer>`.
         """
-        struct = self.struct
-        finalized, start, wait, request, flag = collective
-        struct.finalized, struct.start, struct.wait = finalized, start, wait
-        struct.request, struct.flag = request, flag
-        self.nbytes = merger.buf.nbytes if start is not None else 0  # bytes counted per merge
-        if start is not None:
-            struct.allreduce = mpi_calls()[3] or 0
-            struct.handle_bytes = size = MPI._sizeof(MPI.Comm)
-            # as the C type's value: a 4-byte handle as a signed int, so C converts it exactly
-            signed = ctypes.c_int32 if size == 4 else ctypes.c_int64
-            struct.comm = signed(MPI._handleof(self.comm)).value
-            struct.int64_type = signed(MPI._handleof(MPI.INT64_T)).value
-            struct.min_op = signed(MPI._handleof(MPI.MIN)).value
+        opts = self.options
+        if native_lib() is None or opts.validate or opts.deterministic == INVARIANT:
+            return None
+        records = merger.records
+        if type(records) is not np.ndarray or records.dtype != np.float32:
+            return None
+        bound = Bound(StepLocal.KERNEL, StepOutput.HEADS, records, (self.kernel, merger))
+        if not merger.bind_layer(bound):
+            return None
+        self.kernel.point(bound.struct)
+        return bound
 
     # ---------------------------------------------------------------------- run
     def fill(self, records):
@@ -329,7 +477,7 @@ class Step:
         while an observer is on the phase hook (a ``phase_times`` block is open:
         the guarded path's phases are the ones timed).
         """
-        if self.run is None or self.comm_arg is not comm_arg:
+        if self.compiled is None or self.comm_arg is not comm_arg:
             return None
         merger = self.merger()
         if merger is None or not merger.alive or _entry.get() is not None:
@@ -344,15 +492,16 @@ class Step:
         2), the merger is marked used and its bytes counted, as the guarded path
         does after its agreement: every rank marks it, so that caches evict alike.
         """
-        code = self.run(out)
+        compiled = self.compiled
+        code = compiled.run(out)
         if code <= _MERGED:
             kept = self.kept
             kept.cache.move_to_end(kept.key)  # kept.touch(), inline: every call runs it
-            if self.nbytes:
-                traffic.add(self.nbytes)
+            if compiled.nbytes:
+                traffic.add(compiled.nbytes)
         if not code:
             return None
-        got = settle_code(code, merger.comm, self.struct)
+        got = settle_code(code, merger.comm, compiled.struct)
         call = dataclasses.replace(self.call)
         call = settle(self.comm, self.entry, call, _encoding(self.entry, call), None, got)
         return merged(call)

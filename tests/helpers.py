@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from mpitree import _kernel, reference_attention
+from mpitree import _steps, reference_attention
 
 # atol against the float64 reference on the same (rounded) inputs; outputs are O(1).
 ATOL = {np.float16: 2e-3, np.float32: 2e-5, np.float64: 1e-12}
@@ -122,20 +122,18 @@ def report_failures(comm, failures, success):
 def counting(monkeypatch, cache=None):
     """Count the one-call path's kernel runs (inside the merge, or the whole step in one call).
 
-    A bound step is the compiled function itself (``BoundLayer.step``, an instance
+    A bound step is the compiled function itself (``Bound.run``, an instance
     attribute): those bound from now on are counted, and those of ``cache``'s layers.
     """
     runs = []
-    fill, bind = _kernel.BoundLayer.fill, _kernel.BoundLayer.bind_merge
+    fill, bind = _steps.Bound.fill, _steps.Bound.bind_merge
 
     def count(bound):
-        step = bound.step
-        monkeypatch.setattr(bound, "step", lambda out: runs.append(2) or step(out))
+        step = bound.run
+        monkeypatch.setattr(bound, "run", lambda out: runs.append(2) or step(out))
 
-    monkeypatch.setattr(_kernel.BoundLayer, "fill", lambda self, r: runs.append(1) or fill(self, r))
-    monkeypatch.setattr(
-        _kernel.BoundLayer, "bind_merge", lambda self, *a: bind(self, *a) or count(self)
-    )
+    monkeypatch.setattr(_steps.Bound, "fill", lambda self, r: runs.append(1) or fill(self, r))
+    monkeypatch.setattr(_steps.Bound, "bind_merge", lambda self, *a: bind(self, *a) or count(self))
     for layer in cache.layers if cache is not None else ():
         if layer.fast is not None and layer.fast.bound.merger is not None:
             count(layer.fast.bound)

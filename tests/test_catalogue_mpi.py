@@ -52,7 +52,7 @@ def lanes_kept():
     from mpitree._library import native_lib
     from mpitree._strategies.allreduce import _PERSISTENT_OK
 
-    bound = any(step.run is not None for step in _steps.STEPS.values())
+    bound = any(step.compiled is not None for step in _steps.STEPS.values())
     return bound or not (native_lib() and _PERSISTENT_OK)
 
 

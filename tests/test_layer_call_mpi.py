@@ -18,7 +18,7 @@ from helpers import counting, world
 from models import greedy, prompt, tiny_llama
 from mpitree.adapters.transformers import _attention
 
-from mpitree import RankError, _guard, _kernel, _library, _merger, extend
+from mpitree import RankError, _guard, _library, _merger, _steps, extend
 from mpitree._strategies import allreduce
 
 NEW_TOKENS = 8
@@ -130,7 +130,7 @@ def test_the_step_through_ctypes_gives_the_cpython_entrys_bits(monkeypatch):
             cache = prefilled(model, ids, None, "interleave")
             runs = counting(patch, cache)
             _, outs[way] = decode(model, ids, None, cache, 4)
-        steps = [layer.fast.bound.step for layer in cache.layers]  # counting's wrappers undone
+        steps = [layer.fast.bound.run for layer in cache.layers]  # counting's wrappers undone
         assert runs and all(
             (step.func is _library._native_call) == (way == "cpython") for step in steps
         ), (way, steps)
@@ -144,7 +144,7 @@ def test_decode_steps_build_nothing_and_share_one_merger(monkeypatch):
     mergers = {id(layer.fast.merger) for layer in cache.layers}
     buffers = [layer.fast.merger.records.ctypes.data for layer in cache.layers]
     built = []
-    for cls in (_merger.Merger, _kernel.BoundLayer):
+    for cls in (_merger.Merger, _steps.Bound):
         real = cls.__init__
         monkeypatch.setattr(cls, "__init__", lambda *a, real=real: built.append(a) or real(*a))
     runs = counting(monkeypatch, cache)
@@ -445,7 +445,7 @@ def test_phase_times_splits_the_one_call_step_into_its_phases(monkeypatch):
         assert len(times[phase]) == len(runs), (phase, times[phase])
     pairs = zip(times["merge"], times["kernel"], times["collective"], strict=True)
     assert all(0 < kernel and 0 <= coll and kernel + coll <= merge for merge, kernel, coll in pairs)
-    assert all(layer.fast.bound.call.timed == 0 for layer in cache.layers)  # timers off again
+    assert all(layer.fast.bound.struct.timed == 0 for layer in cache.layers)  # timers off again
 
 
 @pytest.fixture
@@ -474,7 +474,7 @@ def test_an_unbound_or_freed_merge_takes_the_general_path(monkeypatch, private_c
     assert torch.equal(unbound, want) and set(runs) == {1}, set(runs)
     for layer in twin.layers:
         assert layer.fast.fused and layer.fast.bound.merger is None
-        assert layer.fast.bound.step(0) == 3  # unbound: nothing ran
+        assert layer.fast.bound.run(0) == 3  # unbound: nothing ran
     decode(model, tokens, None, cache, 2)
     for layer in cache.layers:
         layer.fast.merger.free()

@@ -6,7 +6,7 @@ from helpers import gathered_identical, make_problem, world
 from numpy.testing import assert_allclose
 
 import mpitree
-from mpitree import reference_attention
+from mpitree import extend, reference_attention
 
 NPROCS = [1, 2, 3, 4]
 STRATEGIES = ["allreduce", "allreduce3", "allgather", "ring"]
@@ -126,3 +126,126 @@ def test_ring_plan_with_masks_and_rows(mask):
             out = plan.decode(prob.q, k, v, **kw)
             assert_allclose(out, ref_out, atol=2e-5, rtol=0)
             assert gathered_identical(comm, out)
+
+
+def compiled_expected(comm):
+    """Whether a float32 plan's steps run as one compiled call here (test_library's build)."""
+    from mpitree._library import native_lib
+    from mpitree._strategies.allreduce import _PERSISTENT_OK
+
+    return native_lib() is not None and (_PERSISTENT_OK or comm.size == 1)
+
+
+def counted(plan):
+    """Count ``plan``'s compiled calls (its bound step's ``run``) in the returned list."""
+    runs = []
+    compiled = plan._compiled
+    if compiled is not None:
+        run = compiled.run
+        compiled.run = lambda out: runs.append(1) or run(out)
+    return runs
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+@pytest.mark.parametrize("strategy", ["auto", "allreduce", "allgather"])
+def test_a_plans_compiled_step_gives_the_python_paths_bits(strategy):
+    """A plan's fast form (its step bound once, one compiled call) over uneven shards,
+    one of them empty, growing in place: the bits of the Python merge (the lane off) and
+    of the full checks, step after step. Only a persistent all-reduce, or one rank, binds."""
+    comm = world()
+    cap, dim = 24, 16
+    sizes = [(5, 0, 9, 3)[r % 4] for r in range(comm.size)]
+    rng = np.random.default_rng([8, comm.rank])
+    k_all = rng.standard_normal((2, 2, cap, dim)).astype(np.float32)
+    v_all = rng.standard_normal((2, 2, cap, dim)).astype(np.float32)
+    with (
+        mpitree.DecodePlan(2, 8, 2, dim, comm=comm, strategy=strategy) as plan,
+        mpitree.DecodePlan(2, 8, 2, dim, comm=comm, strategy=strategy) as python,
+    ):
+        python._compiled = None  # the Python merge, as every step ran before
+        fused = plan._compiled is not None
+        assert fused == (strategy != "allgather" and compiled_expected(comm)), plan.strategy
+        runs = counted(plan)
+        for step in range(6):
+            t = sizes[comm.rank] + (step if comm.rank == comm.size - 1 else 0)
+            k, v = k_all[:, :, :t], v_all[:, :, :t]  # the same layout as T grows
+            q = np.random.default_rng([9, step]).standard_normal((2, 8, 1, dim))
+            q = q.astype(np.float32)
+            got, want = plan.decode(q, k, v), python.decode(q, k, v)
+            with extend.tools.full_checks():
+                full = plan.decode(q, k, v)
+            assert got.dtype == want.dtype == np.float32 and got.shape == want.shape
+            assert np.array_equal(got, want) and np.array_equal(got, full)
+            assert gathered_identical(comm, got)
+            ref, _ = reference_attention(q, *gathered_shards(comm, k, v))
+            assert_allclose(got, ref, atol=2e-5, rtol=0)
+    assert len(runs) == (5 if fused else 0), runs  # the first step checks, then binds
+
+
+def gathered_shards(comm, k, v):
+    """Every rank's K and V, concatenated in rank order along T."""
+    ks, vs = comm.allgather(np.ascontiguousarray(k)), comm.allgather(np.ascontiguousarray(v))
+    return np.concatenate(ks, axis=2), np.concatenate(vs, axis=2)
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+@pytest.mark.parametrize("bad", [0, -1])
+def test_bad_input_on_one_rank_beside_compiled_steps_raises_everywhere(bad):
+    """A rank whose step fails its checks runs the flagged Python merge while the others
+    run their compiled call: every rank raises (no hang), then the plan steps on, exact."""
+    comm = world()
+    bad = bad % comm.size
+    dim, t = 16, 4 + comm.rank
+    rng = np.random.default_rng([4, comm.rank])
+    k_all = rng.standard_normal((1, 2, 16, dim)).astype(np.float32)
+    v_all = rng.standard_normal((1, 2, 16, dim)).astype(np.float32)
+    k, v = k_all[:, :, :t], v_all[:, :, :t]
+    q = np.random.default_rng(1).standard_normal((1, 4, 1, dim)).astype(np.float32)
+    wrong = {  # (q, k, v) and keywords on the bad rank
+        "dtype": lambda: ((q, k.astype(np.float64), v), {}),
+        "head dim": lambda: ((q, k_all[..., :8], v_all[..., :8]), {}),
+        "K and V lengths": lambda: ((q, k, v_all[:, :, : t + 1]), {}),
+        "q heads": lambda: ((np.ones((1, 8, 1, dim), np.float32), k, v), {}),
+        "not an array": lambda: ((q, "k", v), {}),
+        "kv_len too long": lambda: ((q, k, v), {"kv_len": np.array([t + 1])}),
+        "mask shape": lambda: ((q, k, v), {"mask": np.ones((1, 4, 1, t + 2), bool)}),
+    }
+    with mpitree.DecodePlan(1, 4, 2, dim, comm=comm) as plan:
+        first = plan.decode(q, k, v)  # the full checks bind the kernel
+        runs = counted(plan)
+        for name, args in wrong.items():
+            mine, kw = args() if comm.rank == bad else ((q, k, v), {})
+            with pytest.raises(Exception) as raised:
+                plan.decode(*mine, **kw)
+            if comm.rank == bad:
+                assert not isinstance(raised.value, mpitree.RankError), name
+            else:
+                assert isinstance(raised.value, mpitree.RankError), name
+                assert f"rank {bad}" in str(raised.value), name
+            assert np.array_equal(plan.decode(q, k, v), first), name  # the plan still works
+    # a good rank's steps all run compiled; the bad rank's failed checks unbind its
+    # kernel, so its next step takes the full checks again (and binds)
+    compiled = plan._compiled is not None and comm.rank != bad
+    assert len(runs) == (2 * len(wrong) if compiled else 0), runs
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+def test_a_plans_step_after_free_or_under_phase_times_takes_another_path():
+    """Under ``phase_times`` a warm step takes the timed Python path; after ``free`` its
+    merge is a blocking one (the compiled call's request is gone). The same bits."""
+    comm = world()
+    rng = np.random.default_rng([6, comm.rank])
+    q = np.random.default_rng(6).standard_normal((1, 4, 1, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 3, 8)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 3, 8)).astype(np.float32)
+    plan = mpitree.DecodePlan(1, 4, 2, 8, comm=comm)
+    want = plan.decode(q, k, v)
+    runs = counted(plan)
+    with extend.phase_times() as times:
+        timed = plan.decode(q, k, v)
+    assert len(times["merge"]) == 1 and len(times["kernel"]) == 1 and not runs
+    assert np.array_equal(plan.decode(q, k, v), want)
+    plan.free()
+    assert np.array_equal(timed, want) and np.array_equal(plan.decode(q, k, v), want)
+    calls = 2 if comm.size == 1 else 1  # one rank: no request, the compiled call still runs
+    assert len(runs) == (calls if plan._compiled is not None else 0), runs

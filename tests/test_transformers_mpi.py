@@ -607,11 +607,11 @@ def test_decode_steps_append_in_place_and_stay_exact(placement):
 @pytest.mark.parallel(nprocs=[1, 2])
 def test_decode_layers_reuse_their_bound_kernel_arguments(monkeypatch):
     """Each layer binds its one-call decode step once per buffer, then runs it every step."""
-    from mpitree import _kernel
+    from mpitree import _steps
 
-    binds, real_of = [], _kernel.BoundLayer.of
+    binds, real_of = [], _steps.Bound.layer
     bind = lambda *a, **k: binds.append(1) or real_of(*a, **k)  # noqa: E731
-    monkeypatch.setattr(_kernel.BoundLayer, "of", bind)
+    monkeypatch.setattr(_steps.Bound, "layer", bind)
     runs = counting(monkeypatch)  # the kernel inside the merge (1), or the one call (2)
     model = tiny_llama()
     ids, _ = prompt(30, False)

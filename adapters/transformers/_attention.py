@@ -13,12 +13,12 @@ from transformers.masking_utils import causal_mask_function, prepare_padding_mas
 from mpitree import extend
 from mpitree._checks import check_qkv
 from mpitree._invariant_step import invariant_pieces, invariant_signature
-from mpitree._kernel import BoundLayer
 from mpitree._merger import Merger
 from mpitree._namespace import namespace
 from mpitree._options import acc_name, dtype_name
 from mpitree._registry import needs_kv
 from mpitree._step import Attention, KernelSlot
+from mpitree._steps import Bound
 from mpitree._traffic import hook as phase_hook
 
 from ._cache import View, claim, foreign_shard
@@ -643,7 +643,7 @@ def _step_fast(agreed, view, mask, query):
 
 
 class LayerFast:
-    """A layer's bound one-call step (:class:`BoundLayer`) and what it was checked for.
+    """A layer's bound one-call step (:class:`~mpitree._steps.Bound`) and what it was checked for.
 
     Made after the layer's checked step succeeded; it stays valid while its K/V
     are views of the same cache buffers (the layer drops it when they change),
@@ -708,12 +708,12 @@ def _bind(view, query, key, value, scaling, signature, agreed):
     ):
         return None
     k, v = buffers[0], buffers[1]
-    bound = BoundLayer.of(
+    bound = Bound.layer(
         (b, hq, sq, d),
         int(k.shape[1]),
         (k.data_ptr(), k.stride()[:3]),
         (v.data_ptr(), v.stride()[:3]),
-        records.ctypes.data,
+        records,
         agreed.scale,
         keep=(k, v, merger),
     )
@@ -783,7 +783,7 @@ def _bound_step(view, query, key, value, mask, scaling, lane=False):
     if lane:  # the call takes a view-less update's view, as the guarded call does
         layer.sharding.unclaimed = None
     bound = fast.bound
-    call = bound.call
+    call = bound.struct
     call.q, call.t = query.data_ptr(), step.t
     if fast.vis != step.vis:  # usually 0 (every key visible) step after step
         call.vis, call.vis_heads, fast.vis = step.vis, step.vis_heads, step.vis

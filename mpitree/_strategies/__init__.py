@@ -123,7 +123,7 @@ class Strategy(ABC):
         return None
 
     def reduce_bound(self, bound, out):
-        """Run a layer bound to :meth:`bound_collective`; return its code (None: not now)."""
+        """Run a step bound to :meth:`bound_collective`; return its code (None: not now)."""
         return None
 
 

@@ -74,12 +74,12 @@ class Allreduce(Strategy):
         return finalized, start, wait, MPI._addressof(self._request), flag
 
     def reduce_bound(self, bound, out):
-        """Run a layer bound to :meth:`bound_collective`; return its code (None: freed)."""
+        """Run a step bound to :meth:`bound_collective`; return its code (None: freed)."""
         if self._many:
             if not self.requests:  # freed with the merger: the handle is no longer valid
                 return None
             traffic.add(self._nbytes)
-        return bound.step(out)
+        return bound.run(out)
 
     def reduce(self, local, failed):
         """One all-reduce of records and flag (a merged flag record keeps d = n = 0)."""
