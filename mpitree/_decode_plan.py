@@ -22,7 +22,7 @@ from ._library import address
 from ._namespace import Array
 from ._options import INVARIANT, Options
 from ._runtime import limit_blas_threads
-from ._state import finish
+from ._state import finish, lse_of
 from ._steps import Step
 from ._traffic import hook
 
@@ -48,17 +48,17 @@ def _decode_lane(
     """:meth:`DecodePlan.decode`'s lane: the plan's step in one compiled call; else None.
 
     It runs where the plan's step is bound once (:meth:`Step.compile
-    <mpitree._steps.Step.compile>`), the step has no lengths, positions, mask,
-    lse or placement, the fast path is on (no :class:`full_checks` block) and no
-    observer is on the phase hook (``phase_times`` times the guarded path's
-    phases), and its arrays have the layout of the last step that passed the
-    full checks (:meth:`KernelSlot.load <mpitree._step.KernelSlot.load>`): the
-    kernel over the shard, the merge (this rank's flag clear) and the output, as
-    the guarded path's fast branch computes them, bit for bit. Otherwise it
-    returns None before any collective, and :meth:`DecodePlan.decode` runs: its
-    merge is the same collective, so a rank whose checks fail there raises on
-    every rank, those here included (:meth:`Merger.merge_layer
-    <mpitree._merger.Merger.merge_layer>`).
+    <mpitree._steps.Step.compile>`), the step has no lengths, positions, mask
+    or placement (``return_lse`` a bool), the fast path is on (no
+    :class:`full_checks` block) and no observer is on the phase hook
+    (``phase_times`` times the guarded path's phases), and its arrays have the
+    layout of the last step that passed the full checks (:meth:`KernelSlot.load
+    <mpitree._step.KernelSlot.load>`): the kernel over the shard, the merge (this
+    rank's flag clear) and the output, as the guarded path's fast branch computes
+    them, bit for bit. Otherwise it returns None before any collective, and
+    :meth:`DecodePlan.decode` runs: its merge is the same collective, so a rank
+    whose checks fail there raises on every rank, those here included
+    (:meth:`Merger.merge_layer <mpitree._merger.Merger.merge_layer>`).
     """
     try:
         compiled = plan._compiled
@@ -68,7 +68,7 @@ def _decode_lane(
             or q_pos is not None
             or k_pos is not None
             or mask is not None
-            or return_lse is not False
+            or (return_lse is not False and return_lse is not True)
             or kv_start is not None
             or kv_blocks is not None
             or not FAST_PATH
@@ -80,7 +80,10 @@ def _decode_lane(
         target = address(out)
     except Exception:  # nothing has communicated: the guarded path decides
         return None
-    plan._merger.merge_layer(compiled, target)
+    merger = plan._merger
+    merger.merge_layer(compiled, target)
+    if return_lse:  # the merged records stay in the merger's buffer until its next merge
+        return out, lse_of(merger.records.reshape(*plan.problem.row_shape, -1))
     return out
 
 
@@ -92,7 +95,10 @@ class DecodePlan:
     the plan's merger preallocates the record buffer (and a persistent
     ``MPI_Allreduce_init`` request where the MPI library supports it). Each
     :meth:`decode` then pays only for local attention and one collective, which
-    also carries every rank's verdict on its own inputs. Free it with
+    also carries every rank's verdict on its own inputs; a step over host float32
+    numpy arrays with the layout of the last step that passed the full checks (no
+    lengths, positions or mask) runs as one compiled call where the merge is one
+    persistent all-reduce or there is one rank (its step bound once). Free it with
     :meth:`free` or a ``with`` block; a plan that is dropped frees its request
     when it is collected.
 

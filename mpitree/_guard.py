@@ -71,8 +71,9 @@ def entry_point(fn=None, *, lane=None):
     nothing before its collective and reaches MPI only through a compiled call
     that asks ``MPI_Finalized`` itself. It is for a call whose checks an earlier
     agreement made: a decode layer's one compiled call after its step's first
-    layer agreed (:meth:`Merger.merge_layer`: no agreement), or a recurring
-    one-shot call's bound step (``_steps.Step``: the same agreement as ``fn``'s, in C).
+    layer agreed, or a plan's step after the plan agreed (:meth:`Merger.merge_layer`:
+    no agreement), or a recurring one-shot call's bound step (``_steps.Step``: the
+    same agreement as ``fn``'s, in C).
     """
     if fn is None:
         return functools.partial(entry_point, lane=lane)

@@ -94,8 +94,8 @@ enum mpitree_output {
 };
 
 /* The one compiled step (_native_step.c), bound once: a step sets only this call's
- * fields. Bound by mpitree/_kernel.py BoundLayer (a decode layer) and
- * mpitree/_oneshot_lane.py (a recurring one-shot call). */
+ * fields. Bound by mpitree/_steps.py Bound (a recurring one-shot call, a DecodePlan,
+ * a transformers decode layer). */
 typedef struct {
     /* this call's */
     const float *q;        /* (B, Hq, Sq, D) query, C order (local KERNEL) */

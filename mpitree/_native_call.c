@@ -6,9 +6,9 @@
  * calls the compiled library's ``int fn(mpitree_step *step, void *out)`` at address
  * ``fn`` (mpitree_step_run), with the address of ``step`` (a writable buffer of exactly
  * sizeof(mpitree_step) bytes: the library's ctypes struct, which the caller's partial
- * thereby keeps alive) and the address ``out`` (an int). A later decode layer's one
- * compiled call (mpitree/_kernel.py BoundLayer.step) and a recurring one-shot call's
- * (mpitree/_steps.py) go through it: through ctypes, a layer's costs 2-3 us more
+ * thereby keeps alive) and the address ``out`` (an int). Every bound step's one
+ * compiled call (mpitree/_steps.py Bound.run: a later decode layer's, a plan's, a
+ * recurring one-shot call's) goes through it: through ctypes, a layer's costs 2-3 us more
  * on the caches the model's dense layers cooled (docs/benchmarks.md). Like ctypes, it
  * calls what ``fn`` and the struct's addresses name: a wrong address crashes the
  * process; it refuses only what it can tell is wrong (arguments of other types, a NULL

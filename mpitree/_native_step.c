@@ -1,16 +1,17 @@
 /* ------------------------------------------------------------------------- */
 /* The one compiled step (mpitree_step, bound once): every fast path runs    */
-/* it. A decode layer (mpitree/_kernel.py BoundLayer) binds the kernel's     */
+/* it, bound by mpitree/_steps.py Bound. A decode layer binds the kernel's   */
 /* arguments and the addresses of K, V (the cache's buffers, which grow in   */
 /* place), the merge's records and the scratch, and sets only q, the shard   */
-/* length and the step's visibility each step. A recurring one-shot call     */
-/* (mpitree/_oneshot_lane.py) also binds the agreement: the MIN all-reduce   */
-/* of four int64 that mpitree/_guard.py agree sends for that call, made      */
-/* first, and the rest only if every rank sent that vector. Then: this       */
-/* rank's records (the kernel over the shard, or a state's records copied    */
-/* in), this rank's flag (clear: nothing here fails), the merge's persistent */
-/* all-reduce (none for one rank), and the output (a layer's (B, Sq, Hq, D), */
-/* a one-shot's (B, Hq, Sq, D), or the merged records).                      */
+/* length and the step's visibility each step; a DecodePlan binds its kernel */
+/* and records, and sets q, K, V and the shard length. A recurring one-shot  */
+/* call also binds the agreement: the MIN all-reduce of four int64 that      */
+/* mpitree/_guard.py agree sends for that call, made first, and the rest     */
+/* only if every rank sent that vector. Then: this rank's records (the       */
+/* kernel over the shard, or a state's records copied in), this rank's flag  */
+/* (clear: nothing here fails), the merge's persistent all-reduce (none for  */
+/* one rank), and the output (a layer's (B, Sq, Hq, D), a plan's or a       */
+/* one-shot call's (B, Hq, Sq, D), or the merged records).                   */
 /* MPI_Allreduce takes handles by value, whose C type differs between MPIs:  */
 /* int in MPICH, a pointer in Open MPI and the MPI ABI; handle_bytes says    */
 /* which, and the call goes through the matching function type. The others  */

@@ -1,4 +1,4 @@
-"""The step object (prepare, agree, bind, run), and the one memo of them by layout.
+"""The step object (prepare, agree, bind, run), its one bound compiled form, and the memo.
 
 A :class:`Step` is an agreed attention step. A :class:`~._decode_plan.DecodePlan`
 makes one when it agrees and runs it step after step. A guarded
@@ -11,24 +11,30 @@ calls run it:
 - **prepare**: :meth:`Step.prepare` is the guarded path's ``prepare()`` for a
   later call: only the checks that can change within a layout (the shard length)
   run, and the agreed call, its merger and the bound kernel are reused;
-- **bind**: :meth:`Step.bind`, after an outermost guarded call, binds the step's
-  compiled form (``_native_step.c``'s ``mpitree_step``): the agreement vector
-  that :func:`~._guard.agree` sent for it (:attr:`Call.sent`), its merger's
-  persistent all-reduce (:meth:`Merger.bind_layer
+- **bind**: a step's fast form is the one compiled step
+  (``_native_step.c``'s ``mpitree_step``) bound once, a :class:`Bound`:
+  :meth:`Step.bind`, after an outermost guarded call, binds it with the
+  agreement vector that :func:`~._guard.agree` sent for it (:attr:`Call.sent`),
+  its merger's persistent all-reduce (:meth:`Merger.bind_layer
   <mpitree._merger.Merger.bind_layer>`) and, for ``tree_decode``, the kernel;
+  :meth:`Step.compile` binds a plan's with no agreement (the plan agreed at
+  construction); the transformers layer binds its own (:meth:`Bound.layer`);
 - **run**: the entry point's lane (:func:`~._guard.entry_point`) runs a bound
   step in one compiled call (:meth:`Step.open`, then :meth:`Step.finish`): the
   same agreement collective with the same vector and, only if every rank sent
   it, this rank's records (the kernel over the shard, or the state's) and the
-  merge.
+  merge. A plan's and a layer's run through :meth:`Merger.merge_layer
+  <mpitree._merger.Merger.merge_layer>`.
 
 Ranks that run a bound step and ranks on the guarded path make the same
 collectives in the same order. Where the agreement's result differs (a rank
 failed its checks, ranks disagree, or the native op is not everywhere),
-:func:`~._guard.settle` finishes it as :func:`~._guard.agree` would have.
-Anything the lane cannot look up without raising sends the call to the guarded
-path before any collective. As a plan's bound kernel does, a step keeps the
-kernel chosen when it was made (``MPITREE_LOCAL_KERNEL`` is read then).
+:func:`~._guard.settle` finishes it as :func:`~._guard.agree` would have; with no
+agreement, a rank whose checks fail runs the guarded merge with its verdict in
+the flag record, and every rank raises. Anything the lane cannot look up without
+raising sends the call to the guarded path before any collective. As a plan's
+bound kernel does, a step keeps the kernel chosen when it was made
+(``MPITREE_LOCAL_KERNEL`` is read then).
 """
 
 from __future__ import annotations
@@ -272,12 +278,14 @@ class Step:
     - ``kernel``, a :class:`KernelSlot`: bound to the layout of the last local step
       that passed the full checks, later steps of that layout check only what can
       change within it (the shard length);
-    - its compiled form (:meth:`bind`, one-shot calls only): the agreement, the
-      kernel or a state's copy, and the merge, in one compiled call.
+    - its compiled form, a :class:`Bound`: a one-shot call's (:meth:`bind`, kept
+      in ``compiled``: the agreement, the kernel or a state's copy, and the merge)
+      or a plan's (:meth:`compile`, kept by the plan: the kernel and the merge),
+      in one compiled call.
 
-    As a plan's local step (``merger.merge(step)``), :meth:`fill` checks ``args``
-    (the step's ``(q, k, v, kv_len, q_pos, k_pos, mask)``) against the agreed
-    problem inside the merge's guard.
+    As a plan's local step on its guarded path (``merger.merge(step)``),
+    :meth:`fill` checks ``args`` (the step's ``(q, k, v, kv_len, q_pos, k_pos,
+    mask)``) against the agreed problem inside the merge's guard.
 
     Parameters
     ----------

@@ -172,14 +172,20 @@ def test_a_plans_compiled_step_gives_the_python_paths_bits(strategy):
             q = np.random.default_rng([9, step]).standard_normal((2, 8, 1, dim))
             q = q.astype(np.float32)
             got, want = plan.decode(q, k, v), python.decode(q, k, v)
+            (out, lse), (out_py, lse_py) = (
+                x.decode(q, k, v, return_lse=True) for x in (plan, python)
+            )
             with extend.tools.full_checks():
-                full = plan.decode(q, k, v)
+                full = plan.decode(q, k, v)  # binds its kernel again: the step re-aimed
             assert got.dtype == want.dtype == np.float32 and got.shape == want.shape
             assert np.array_equal(got, want) and np.array_equal(got, full)
+            assert np.array_equal(out, got) and np.array_equal(out_py, got)
+            assert np.array_equal(lse, lse_py)
+            assert lse.dtype == np.float32 and lse.shape == (2, 8, 1)
             assert gathered_identical(comm, got)
             ref, _ = reference_attention(q, *gathered_shards(comm, k, v))
             assert_allclose(got, ref, atol=2e-5, rtol=0)
-    assert len(runs) == (5 if fused else 0), runs  # the first step checks, then binds
+    assert len(runs) == (11 if fused else 0), runs  # the first step checks, then binds
 
 
 def gathered_shards(comm, k, v):
