@@ -8,6 +8,8 @@ run real NCCL where each rank has a GPU of its own, and the refusal of ranks tha
 share one, in tests/gpu_check.sh.
 """
 
+import datetime
+
 import numpy as np
 import pytest
 import torch
@@ -238,6 +240,33 @@ def test_a_missing_backend_on_one_rank_raises_on_every_rank(stand_in, monkeypatc
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="rank 0: CPU tensors need TRITON_INTERPRET=1"):
         Merger(comm, 2, 4, "float32", "nccl", like=torch.zeros(1))
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("fails", ["opening", "joining", "making"])
+def test_a_failed_rendezvous_raises_on_every_rank(stand_in, monkeypatch, fails):
+    """The store failing on rank 0 or on the last rank, or the group on rank 0 (the others
+    wait out the timeout in gloo's connect): a RuntimeError on every rank, not a hang."""
+    comm = world()
+    bad = comm.size - 1 if fails == "joining" else 0
+    monkeypatch.setattr(nccl, "TIMEOUT", datetime.timedelta(seconds=3))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no sockets today")
+
+    if comm.rank == bad:
+        monkeypatch.setattr(*((dist, "TCPStore") if fails != "making" else (nccl, "_backend")),
+                            broken)  # fmt: skip
+    sub = comm.Dup()  # a communicator with no group yet
+    try:
+        with pytest.raises(RuntimeError, match=f"strategy 'nccl': {fails}.* failed on rank {bad}"):
+            Merger(sub, 2, 4, "float32", "nccl", like=torch.zeros(1))
+        monkeypatch.undo()
+        merger = Merger(sub, 2, 4, "float32", "nccl", like=torch.zeros(1))  # then it is made
+        assert np.isfinite(merger.merge(lambda out: out.fill_(1.0))).all()
+        merger.free()
+    finally:
+        sub.Free()
 
 
 @pytest.mark.parallel(nprocs=[1, 2, 3])

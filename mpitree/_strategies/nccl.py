@@ -208,8 +208,8 @@ class Group:
             store = dist.PrefixStore("mpitree", self.store)
             self.backend = _backend(dist, store, backend, rank, size, one_host)
             if backend == "nccl":  # NCCL makes its communicator on the first collective
-                probe = torch.zeros(size, device=device)
-                self.backend._allgather_base(probe, probe[rank : rank + 1]).wait()
+                probe = torch.zeros(1, device=device)
+                self.backend._allgather_base(torch.empty(size, device=device), probe).wait()
                 torch.cuda.synchronize(device)
         except Exception as exc:  # the others see it below (after gloo's own timeout)
             error = f"{type(exc).__name__}: {exc}"
