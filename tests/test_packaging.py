@@ -48,6 +48,7 @@ def test_public_api():
         "hierarchical",
         "node",
         "device-node",
+        "nccl",
     }
 
 

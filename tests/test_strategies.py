@@ -22,7 +22,9 @@ from mpitree.cli import main
 from mpitree.cli.merge import merged
 
 ROOT = Path(__file__).resolve().parent.parent
-TODAY = ("allreduce", "allreduce3", "allgather", "hierarchical", "node", "ring", "device-node")
+TODAY = (
+    "allreduce", "allreduce3", "allgather", "hierarchical", "node", "ring", "device-node", "nccl"
+)  # fmt: skip
 # name: (needs_kv, uses_op, persistent, reproducible, modelled, auto_priority)
 ATTRIBUTES = {
     "allreduce": (False, True, True, False, True, 1),
@@ -32,9 +34,10 @@ ATTRIBUTES = {
     "node": (False, True, False, False, False, None),
     "ring": (True, False, False, True, True, None),
     "device-node": (False, True, False, False, False, None),
+    "nccl": (False, False, False, True, False, None),
 }
 # name: the buffer kinds it merges in (the host strategies: host or pinned memory)
-BUFFERS = {"device-node": ("device",)}
+BUFFERS = {"device-node": ("device",), "nccl": ("device",)}
 
 
 def old_op_needed(strategy, deterministic, acc, head_dim, native):
@@ -164,8 +167,9 @@ def test_names_lists_are_generated():
             _options.check_strategy(bad)
     with pytest.raises(AttributeError):
         _options.NOT_THERE  # noqa: B018
-    # ring moves K/V; device-node merges device buffers, which numpy arrays have not
-    assert [name for name, _ in merged(2)] == [n for n in TODAY if n not in ("ring", "device-node")]
+    # ring moves K/V; device-node and nccl merge device buffers, which numpy arrays have not
+    host = [n for n in TODAY if n not in ("ring", "device-node", "nccl")]
+    assert [name for name, _ in merged(2)] == host
     assert [label for _, label in merged(0)] == [
         "allreduce, native op",
         "allreduce3 (paper's Alg. 3)",
@@ -204,7 +208,7 @@ def test_resolve_on_one_rank(deterministic):
         for strategy in ("auto", *TODAY):
             got = resolve(strategy, MPI.COMM_SELF, native, 0, deterministic)
             if deterministic:
-                want = strategy if strategy in ("allgather", "ring") else "allgather"
+                want = strategy if strategy in ("allgather", "ring", "nccl") else "allgather"
             elif strategy == "auto":
                 want = "allreduce" if native else "allgather"
             else:
@@ -258,7 +262,7 @@ def test_a_new_strategy_is_one_file(tmp_path):
         "class Echo(Allgather):\n"
         '    """All-gather again."""\n\n'
         '    name = "echo"\n'
-        "    order = 5\n"
+        "    order = 50\n"  # after every strategy of today
         '    summary = "the all-gather again"\n'
         "    modelled = False\n"
         "    auto_priority = None\n"

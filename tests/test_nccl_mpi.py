@@ -1,0 +1,326 @@
+"""The ``nccl`` strategy: an all-gather of every rank's records, folded on the device in rank order.
+
+No GPU here: tests/device_merge.py's CPU-tensor kind stands in for device memory
+(registered for these tests only; the torch adapter's own ``"device"`` kind serves
+CUDA tensors), the same code runs torch.distributed's gloo backend in place of NCCL,
+and the Triton merge kernel runs under its interpreter. The ``cuda``-marked cases
+run real NCCL where each rank has a GPU of its own, and the refusal of ranks that
+share one, in tests/gpu_check.sh.
+"""
+
+import datetime
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from device_merge import DeviceTensor
+from helpers import gathered_identical, make_problem, world
+from mpi4py import MPI
+from numpy.testing import assert_allclose
+from test_node_strategy_mpi import records, same_bits
+from test_triton_kernel import CUDA  # sets TRITON_INTERPRET=1 without a GPU
+
+import mpitree
+from mpitree import _buffers
+from mpitree._guard import RankError
+from mpitree._merger import Merger
+from mpitree._registry import host_strategies
+from mpitree._strategies import REGISTRY, auto_strategy, nccl, resolve
+
+NPROCS = [1, 2, 3, 4]
+LAYOUTS = ["uneven", "some_empty", "one_holds_all"]
+
+
+@pytest.fixture
+def stand_in():
+    """The CPU-tensor device kind registered for one test (CUDA tensors need none)."""
+    kinds = list(_buffers.KINDS["device"])
+    _buffers.register_kind(DeviceTensor)
+    try:
+        yield DeviceTensor
+    finally:
+        _buffers.KINDS["device"][:] = kinds
+
+
+def tensors(prob, rank, device="cpu"):
+    """``prob``'s query and ``rank``'s shard (and its keywords) as tensors on ``device``."""
+    k, v, kw = prob.shard(rank)
+    q, k, v = (torch.from_numpy(x).to(device) for x in (prob.q, k, v))
+    kw = {key: None if x is None else torch.from_numpy(x).to(device) for key, x in kw.items()}
+    return q, k, v, kw
+
+
+def sizes_of(layout, p):
+    """Keys per rank: uneven, every other rank empty, or one rank holding every key."""
+    return {
+        "uneven": [7, 1, 12, 4][:p],
+        "some_empty": [0 if r % 2 else 9 + r for r in range(p)],
+        "one_holds_all": [0] * (p - 1) + [23],
+    }[layout]
+
+
+def test_declared():
+    """Listed, device buffers only, rank-ordered, never picked by "auto", not in the CLI."""
+    cls = REGISTRY["nccl"]
+    assert "nccl" in mpitree.STRATEGIES and cls.buffers == ("device",)
+    assert cls.auto_priority is None and cls.reproducible and not cls.uses_op
+    assert not cls.needs_kv and not cls.persistent
+    assert "nccl" not in host_strategies()
+    assert resolve("nccl", world(), True) == "nccl"
+    assert resolve("nccl", world(), True, deterministic=True) == "nccl"  # already rank order
+    for size in (1, 2, 5, 17):
+        for native in (False, True):
+            assert auto_strategy(size, native, 1, size, False) != "nccl"
+
+
+def test_refusal_rules():
+    """Two ranks on one GPU, mixed devices, a rank lacking something: one message each."""
+    ok = ("", "a", "cuda", 0)
+    assert nccl.refusal([ok, ("", "a", "cuda", 1), ("", "b", "cuda", 0)]) == ""
+    assert nccl.refusal([("", "a", "cpu", None)] * 3) == ""  # gloo: any number per host
+    shared = nccl.refusal([ok, ("", "a", "cuda", 1), ("", "a", "cuda", 0)])
+    assert "ranks 0 and 2 share GPU 0 on a" in shared and "NCCL refuses" in shared
+    assert "one kind of device" in nccl.refusal([ok, ("", "a", "cpu", None)])
+    lacking = nccl.refusal([ok, ("this torch has no NCCL backend", "a", "cuda", 1)])
+    assert lacking == "strategy 'nccl' cannot run on rank 1: this torch has no NCCL backend"
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tree_decode_matches_reference(stand_in, layout):
+    """Exact against the float64 reference on uneven and empty shards, the same on every
+    rank, and the same bits as ``device-node`` (one node: the same fold in rank order)."""
+    comm = world()
+    prob = make_problem(5, sizes_of(layout, comm.size), batch=2, q_len=3, positions=True,
+                        mask="head")  # fmt: skip
+    q, k, v, kw = tensors(prob, comm.rank)
+    for _ in range(2):  # the second call reuses the cached merger and process group
+        out, lse = mpitree.tree_decode(q, k, v, strategy="nccl", return_lse=True, **kw)
+    assert isinstance(out, torch.Tensor) and out.device.type == "cpu"
+    out, lse = out.numpy(), lse.numpy()
+    ref_out, ref_lse = prob.reference()
+    assert_allclose(out, ref_out, atol=2e-5, rtol=0)
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse), empty)
+    assert_allclose(lse[~empty], ref_lse[~empty], rtol=2e-6, atol=2e-6)
+    assert gathered_identical(comm, out) and gathered_identical(comm, lse)
+    node = mpitree.tree_decode(q, k, v, strategy="device-node", node_size=comm.size, **kw)
+    assert same_bits(out, node.numpy())
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_merges_bits(stand_in, dtype):
+    """The fold is the compiled op's combine in rank order: the ``node`` and ``device-node``
+    strategies' bits on one node, step after step; ``allgather`` (numpy's exp, one pass)
+    agrees to rounding."""
+    comm = world()
+    rows, dim = 9, 6
+    mine = records(comm.rank, rows, dim, np.dtype(dtype))
+    like = torch.zeros(1)
+    made = [
+        Merger(comm, rows, dim, dtype, "node", node_size=comm.size),
+        Merger(comm, rows, dim, dtype, "allgather"),
+        Merger(comm, rows, dim, dtype, "device-node", node_size=comm.size, like=like),
+        Merger(comm, rows, dim, dtype, "nccl", like=like),
+    ]
+    host, gather, node, dev = made
+    try:
+        assert dev.kind.name == "device" and isinstance(dev.buf, torch.Tensor)
+        want = host.merge(lambda out: out.__setitem__(Ellipsis, mine)).copy()
+        close = gather.merge(lambda out: out.__setitem__(Ellipsis, mine)).copy()
+        on_node = node.merge(lambda out: out.copy_(torch.from_numpy(mine))).copy()
+        assert same_bits(on_node, want)
+        for _ in range(3):
+            got = dev.merge(lambda out: out.copy_(torch.from_numpy(mine))).copy()
+            assert same_bits(got, want)
+            assert gathered_identical(comm, got)
+        finite = np.isfinite(want)
+        assert np.array_equal(np.isfinite(close), finite)
+        assert_allclose(close[finite], want[finite], rtol=1e-5 if dtype == "float32" else 1e-13)
+    finally:
+        for merger in made:
+            merger.free()
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+def test_same_bits_run_after_run(stand_in):
+    """Call after call, and under ``deterministic=True`` (which keeps it): the same bits."""
+    comm = world()
+    prob = make_problem(8, [5 + 3 * r for r in range(comm.size)], q_len=2)
+    q, k, v, kw = tensors(prob, comm.rank)
+    outs = [
+        mpitree.tree_decode(q, k, v, strategy="nccl", deterministic=det, **kw).numpy()
+        for det in (False, True, False, False)
+    ]
+    assert all(np.array_equal(out.view(np.uint32), outs[0].view(np.uint32)) for out in outs)
+    assert gathered_identical(comm, outs[0])
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+def test_a_failing_rank_raises_on_every_rank(stand_in):
+    """One rank's local work fails: its flag rides the all-gather to every rank."""
+    comm = world()
+    merger = Merger(comm, 4, 8, "float32", "nccl", like=torch.zeros(1))
+    bad = comm.size - 1
+
+    def local(out):
+        if comm.rank == bad:
+            raise ValueError("this rank's shard is broken")
+        out.fill_(1.0)
+
+    try:
+        with pytest.raises(ValueError if comm.rank == bad else RankError, match="broken"):
+            merger.merge(local)
+        out = merger.merge(lambda out: out.fill_(1.0))  # then it merges again
+        assert np.isfinite(out).all()
+    finally:
+        merger.free()
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3, 4])
+def test_bad_input_on_one_rank_raises_on_every_rank(stand_in):
+    """A bad shard on one rank: its own error there, RankError naming it elsewhere; then
+    the strategy merges again."""
+    comm = world()
+    prob = make_problem(3, [4 + r for r in range(comm.size)], q_len=1)
+    q, k, v, kw = tensors(prob, comm.rank)
+    bad = comm.size - 1
+    wrong = k[:, :, :, :3] if comm.rank == bad else k  # another head dim
+    with pytest.raises(ValueError) as info:
+        mpitree.tree_decode(q, wrong, v, strategy="nccl", **kw)
+    assert info.type is (ValueError if comm.rank == bad else RankError), info.value
+    if comm.rank != bad:
+        assert f"invalid input on rank {bad}" in str(info.value)
+    out = mpitree.tree_decode(q, k, v, strategy="nccl", **kw)
+    assert_allclose(out.numpy(), prob.reference()[0], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_decode_plan_refuses_on_every_rank(stand_in):
+    """A plan builds its merger at construction over host records (it does not know the
+    arrays' device yet), which no device kind serves: an agreed error on every rank."""
+    with pytest.raises(ValueError, match="strategy 'nccl' merges in device buffers"):
+        mpitree.DecodePlan(2, 4, 2, 16, strategy="nccl")
+    with mpitree.DecodePlan(2, 4, 2, 16) as plan:  # the communicator still works
+        assert plan.strategy in host_strategies()
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_a_call_it_cannot_serve_raises_on_every_rank(stand_in):
+    """numpy arrays, or CPU tensors without the stand-in on one rank: agreed errors."""
+    comm = world()
+    prob = make_problem(0, [4] * comm.size)
+    k, v, _ = prob.shard(comm.rank)
+    with pytest.raises(ValueError, match="strategy 'nccl' merges in device buffers"):
+        mpitree.tree_decode(prob.q, k, v, strategy="nccl")
+    last = comm.rank == comm.size - 1
+    if last:
+        _buffers.KINDS["device"].remove(DeviceTensor)
+    q, k, v = (torch.from_numpy(x) for x in (prob.q, k, v))
+    with pytest.raises((ValueError, RankError)) as info:
+        mpitree.tree_decode(q, k, v, strategy="nccl")
+    assert info.type is (ValueError if last else RankError), info.value
+    assert "no buffer kind" in str(info.value)
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_a_missing_backend_on_one_rank_raises_on_every_rank(stand_in, monkeypatch):
+    """gloo (NCCL, for CUDA tensors) missing on one rank: the same error on every rank,
+    before any torch collective; and the interpreter missing for CPU tensors."""
+    comm = world()
+    last = comm.size - 1
+    if comm.rank == last:
+        monkeypatch.setattr(dist, "is_gloo_available", lambda: False)
+    says = f"strategy 'nccl' cannot run on rank {last}: this torch has no GLOO backend"
+    with pytest.raises(ValueError, match=says):
+        Merger(comm, 2, 4, "float32", "nccl", like=torch.zeros(1))
+    monkeypatch.undo()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="rank 0: CPU tensors need TRITON_INTERPRET=1"):
+        Merger(comm, 2, 4, "float32", "nccl", like=torch.zeros(1))
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("fails", ["opening", "joining", "making"])
+def test_a_failed_rendezvous_raises_on_every_rank(stand_in, monkeypatch, fails):
+    """The store failing on rank 0 or on the last rank, or the group on rank 0 (the others
+    wait out the timeout in gloo's connect): a RuntimeError on every rank, not a hang."""
+    comm = world()
+    bad = comm.size - 1 if fails == "joining" else 0
+    monkeypatch.setattr(nccl, "TIMEOUT", datetime.timedelta(seconds=3))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no sockets today")
+
+    if comm.rank == bad:
+        monkeypatch.setattr(*((dist, "TCPStore") if fails != "making" else (nccl, "_backend")),
+                            broken)  # fmt: skip
+    sub = comm.Dup()  # a communicator with no group yet
+    try:
+        with pytest.raises(RuntimeError, match=f"strategy 'nccl': {fails}.* failed on rank {bad}"):
+            Merger(sub, 2, 4, "float32", "nccl", like=torch.zeros(1))
+        monkeypatch.undo()
+        merger = Merger(sub, 2, 4, "float32", "nccl", like=torch.zeros(1))  # then it is made
+        assert np.isfinite(merger.merge(lambda out: out.fill_(1.0))).all()
+        merger.free()
+    finally:
+        sub.Free()
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_the_users_default_group_is_left_alone(stand_in):
+    """Its group is its own: no default group made, and a user's default group unchanged."""
+    comm = world()
+    prob = make_problem(2, [3 + r for r in range(comm.size)])
+    q, k, v, kw = tensors(prob, comm.rank)
+    mpitree.tree_decode(q, k, v, strategy="nccl", **kw)
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        before = dist.group.WORLD
+        sub = MPI.COMM_WORLD.Dup()  # a new communicator: a new group of its own
+        try:
+            out = mpitree.tree_decode(q, k, v, comm=sub, strategy="nccl", **kw)
+        finally:
+            sub.Free()
+        assert dist.group.WORLD is before and dist.get_world_size() == 1
+        assert_allclose(out.numpy(), prob.reference()[0], atol=2e-5, rtol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.parallel(nprocs=[1, 2, 3, 4])
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_real_nccl_on_a_gpu_each(layout):
+    """Real NCCL, each rank on its own GPU: exact, the same on every rank, run after run."""
+    comm = world()
+    if torch.cuda.device_count() < comm.size:
+        pytest.skip(f"{comm.size} ranks need a GPU each, {torch.cuda.device_count()} here")
+    device = f"cuda:{comm.rank}"
+    prob = make_problem(5, sizes_of(layout, comm.size), batch=2, q_len=3, positions=True,
+                        mask="head")  # fmt: skip
+    q, k, v, kw = tensors(prob, comm.rank, device)
+    outs = [mpitree.tree_decode(q, k, v, strategy="nccl", **kw) for _ in range(3)]
+    assert outs[0].device == torch.device(device)
+    outs = [out.cpu().numpy() for out in outs]
+    assert_allclose(outs[0], prob.reference()[0], atol=2e-5, rtol=0)
+    assert all(same_bits(out, outs[0]) for out in outs)
+    assert gathered_identical(comm, outs[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
+def test_ranks_sharing_a_gpu_are_refused_on_every_rank():
+    """Two ranks on one GPU: a ValueError on every rank before any NCCL call, not a hang."""
+    comm = world()
+    prob = make_problem(1, [4] * comm.size)
+    q, k, v, kw = tensors(prob, comm.rank, "cuda:0")
+    with pytest.raises(ValueError, match="share GPU 0"):
+        mpitree.tree_decode(q, k, v, strategy="nccl", **kw)
+    out = mpitree.tree_decode(q, k, v, strategy="device-node", **kw)  # which merges them
+    assert_allclose(out.cpu().numpy(), prob.reference()[0], atol=2e-5, rtol=0)
