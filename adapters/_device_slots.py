@@ -52,6 +52,7 @@ class Device(BufferKind):
 
     name = "device"
     host_memory = False
+    arrays = "CUDA tensors where Triton is installed"
 
     def __init__(self, shape, dtype, like=None):
         super().__init__(shape, dtype, like)

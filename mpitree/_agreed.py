@@ -43,7 +43,7 @@ def kept(call):
     return _recent.get(id(call.merge))
 
 
-def agree_merger(comm, prepare, *, like=None, owned=False):
+def agree_merger(comm, prepare, *, like=None, owned=False, dtype=None):
     """Run a call's one agreement, then resolve its strategy and get its merger.
 
     Every entry point that merges takes this path: ``prepare()`` runs the local
@@ -68,6 +68,9 @@ def agree_merger(comm, prepare, *, like=None, owned=False):
     owned : bool, optional
         Build a merger that only the caller holds (a plan frees it with itself)
         instead of the one cached on ``comm`` (:func:`merger_for`).
+    dtype : dtype or str, optional
+        For a call given a dtype and no arrays (a plan): named, as given, in the
+        error where the strategy's buffer kinds cannot serve its host records.
 
     Returns
     -------
@@ -82,11 +85,11 @@ def agree_merger(comm, prepare, *, like=None, owned=False):
     Exception
         On every rank, as :func:`agree` raises.
     """
-    call = agree(comm, _staged(prepare, like))
+    call = agree(comm, _staged(prepare, like, dtype))
     return call, agreed_merger(comm, call, like=like, owned=owned)
 
 
-def _staged(prepare, like):
+def _staged(prepare, like, dtype=None):
     """Wrap ``prepare``: its call's signature also names how ``like``'s records are staged.
 
     A merger is cached per staging (host, or the framework's device) and holds a
@@ -100,7 +103,7 @@ def _staged(prepare, like):
 
     def staged():
         call = prepare()
-        buffer = buffer_kind(call.merge, like)
+        buffer = buffer_kind(call.merge, like, dtype)
         kind = _staging(like)
         if kind is None and buffer in (None, "host"):
             return call

@@ -71,6 +71,9 @@ class BufferKind:
         :attr:`host` is :attr:`buf`); else they read the host mirror :attr:`host`.
     cuda_aware : bool
         :attr:`buf` is device memory a CUDA-aware MPI may take directly.
+    arrays : str
+        The arrays it serves, in words, for the error where no kind serves a call
+        (e.g. ``"CUDA tensors where Triton is installed"``); "" names the class.
     buf : array
         The record buffer, of the kind's framework (numpy for host memory).
     host : numpy.ndarray
@@ -80,6 +83,7 @@ class BufferKind:
     name = ""
     host_memory = True
     cuda_aware = False
+    arrays = ""
 
     def __init__(self, shape, dtype, like=None):
         self.buf = self.allocate(shape, dtype, like)
@@ -112,6 +116,7 @@ class Host(BufferKind):
     """Plain host memory (numpy): every call's records can be staged here."""
 
     name = "host"
+    arrays = "every call's arrays"
 
     @classmethod
     def serves(cls, like):
@@ -128,6 +133,7 @@ class CupyPinned(BufferKind):
     """Page-locked host memory for CuPy arrays' records (``cupyx.empty_pinned``)."""
 
     name = "pinned"
+    arrays = "CuPy arrays"
 
     @classmethod
     def serves(cls, like):
@@ -161,8 +167,51 @@ def kind_for(buffers, like):
     return None
 
 
-def describe(like):
-    """Name the records ``like`` stands for, for error messages."""
-    if like is None:
-        return "host records (numpy arrays)"
-    return f"{type(like).__module__}.{type(like).__name__} on {getattr(like, 'device', 'host')}"
+def unserved(strategy, buffers, like, dtype=None):
+    """Say that no kind of a strategy's ``buffers`` serves a call: what it got, what they serve.
+
+    Parameters
+    ----------
+    strategy : str
+        The strategy's name.
+    buffers : tuple of str
+        Its declared buffer kinds' names.
+    like : array or None
+        The call's array (its framework, dtype and device); None for host records.
+    dtype : dtype or str, optional
+        For a call given a dtype and no arrays (a :class:`~mpitree.DecodePlan`,
+        whose records live in host memory): that dtype, as the caller gave it.
+    """
+    names = " or ".join(buffers)
+    kinds = [cls for name in buffers for cls in KINDS[name]]
+    if kinds:
+        accepts = f"{names} kinds registered serve {'; '.join(dict.fromkeys(map(_serves, kinds)))}"
+    else:
+        accepts = (
+            f"no {names} kind is registered (an adapter registers its kinds when it is "
+            "imported, e.g. mpitree.adapters.torch)"
+        )
+    return (
+        f"strategy {strategy!r} merges in {names} buffers, and no buffer kind registered under "
+        f"those names serves {_described(like, dtype)}; {accepts}"
+    )
+
+
+def _serves(cls):
+    """Name the arrays a kind class serves: its ``arrays``, else the class itself."""
+    return cls.arrays or f"what {cls.__module__}.{cls.__qualname__} serves"
+
+
+def _described(like, dtype):
+    """Name what a call's records stand for: the arrays' framework, dtype and device."""
+    if like is not None:
+        kind, where = type(like), getattr(like, "device", "host")
+        return f"{kind.__module__}.{kind.__name__} of {getattr(like, 'dtype', '?')} on {where}"
+    if dtype is None:
+        return "numpy arrays (host records)"
+    if isinstance(dtype, type):
+        dtype = f"{dtype.__module__}.{dtype.__qualname__}"
+    return (
+        f"a DecodePlan of dtype {dtype!s}: a plan is made from a dtype, not arrays, so its "
+        "records live in host memory (tree_decode takes device arrays)"
+    )

@@ -179,7 +179,7 @@ class DecodePlan:
             merge = (problem.rows, problem.head_dim, problem.acc, options)
             return Call(sig, (problem, options), merge=merge)
 
-        call, self._merger = agree_merger(comm, prepare, owned=True)
+        call, self._merger = agree_merger(comm, prepare, owned=True, dtype=dtype)
         self.problem, self.options = call.payload
         self._arithmetic = call.signature.get("kernel")  # invariant mode: what ranks agreed
         self.strategy = self._merger.strategy

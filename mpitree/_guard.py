@@ -36,7 +36,6 @@ from ._runtime import check_mpi_usable, default_comm
 from ._strategies import op_needed
 from ._traffic import hook, traffic
 
-MAX_FIELDS = 24
 ENTRY_POINTS: dict = {}  # "module.qualname" -> the public function or method
 _entry = contextvars.ContextVar("mpitree_entry", default=None)
 
@@ -225,31 +224,35 @@ _OK = 1 << 62  # an agreement's verdict slot on a rank whose local phase passed
 # the agreement's four int64 (verdict, native op, code, -code), packed in a plain buffer and
 # sent as MPI_INT64_T: no array library on the path of a call that agrees
 _VECTOR = struct.Struct("=4q")
-_WIDE = 2 + 2 * MAX_FIELDS
 _encoded: dict = {}  # (entry point, Call.key) -> _Encoding
+ENTRY_FIELD = "entry point"  # the agreed field that names the call itself
+
+
+def _fields(entry, signature, counts=None):
+    """Return the fields ranks agree on, name -> value: the call's, its signature, its counts.
+
+    The one list of the agreement's fields: :class:`_Encoding` codes them in this
+    order and a disagreement names them from it (:func:`_raise_disagreement`).
+    """
+    return {ENTRY_FIELD: entry, **signature, **(counts or {})}
 
 
 class _Encoding:
-    """A call's signature as agreement codes: the whole signature's, and each field's."""
+    """A call's signature (:func:`_fields` less the counts) as one agreement code."""
 
-    __slots__ = ("codes", "native", "sent", "whole")
+    __slots__ = ("native", "sent", "whole")
 
     def __init__(self, fields, op):
-        if len(fields) > MAX_FIELDS:
-            raise RuntimeError(f"mpitree internal error: {len(fields)} signature fields")
-        self.codes = [_code(v) for v in fields.values()]
         if op is not None:
             record_op(*op)
         self.native = int(native_op_available())
-        self.whole = _code(tuple(self.codes))
+        self.whole = _code(tuple(_code(v) for v in fields.values()))
         self.sent = self._pack(self.whole)  # without counts
 
     def vector(self, counts):
         """Return the agreement's packed vector, with ``counts`` mixed into the code."""
         if not counts:
             return self.sent
-        if len(self.codes) + len(counts) > MAX_FIELDS:
-            raise RuntimeError(f"mpitree internal error: {len(counts)} more signature fields")
         whole = self.whole
         for value in counts.values():
             whole = _mix(whole, _count(value))
@@ -258,12 +261,6 @@ class _Encoding:
     def _pack(self, whole):
         """Return the vector of a rank whose local phase passed, for the code ``whole``."""
         return _VECTOR.pack(_OK, self.native, whole, -whole)
-
-    def wide(self, counts):
-        """Return the per-field vector of the failure path (``counts`` as their own fields)."""
-        codes = self.codes + [_count(v) for v in (counts or {}).values()]
-        pad = [0] * (MAX_FIELDS - len(codes))
-        return np.array([_OK, self.native, *codes, *pad, *(-c for c in codes), *pad], np.int64)
 
 
 _MASK64 = (1 << 64) - 1
@@ -292,11 +289,11 @@ def _count(value):
 def _encoding(entry, call):
     """Return the call's :class:`_Encoding`, cached under ``call.key`` when it has one."""
     if call.key is None:
-        return _Encoding({"entry point": entry, **call.signature}, call.op)
+        return _Encoding(_fields(entry, call.signature), call.op)
     key = (entry, call.key)
     found = _encoded.get(key)
     if found is None:
-        found = _Encoding({"entry point": entry, **call.signature}, call.op)
+        found = _Encoding(_fields(entry, call.signature), call.op)
         if len(_encoded) < 4096:
             _encoded[key] = found
     return found
@@ -308,8 +305,8 @@ def agree(comm, prepare):
     The collective is an ``MPI_Allreduce(MIN)`` of four int64: the verdict
     (the lowest failing rank), whether the native op is there, and a 56-bit code
     of the whole signature (its counts included) and its negation. When the codes
-    differ between ranks, one more collective (failure path only) finds the fields
-    that differ. The whole call is the ``"agreement"`` phase of an observer on
+    differ between ranks, one more collective (failure path only) names the
+    fields that differ. The whole call is the ``"agreement"`` phase of an observer on
     the phase hook (:data:`~._traffic.hook`).
 
     Parameters
@@ -360,43 +357,62 @@ def settle(comm, entry, call, enc, error, got):
     """Finish an agreement whose result ``got`` is not this rank's vector; return the call.
 
     Collective where a rank failed or ranks disagree (every rank learns so from
-    ``got``): raises on every rank as :func:`agree` does. Otherwise only the
-    native-op fact differs: ``call.native`` is set to the agreed one.
+    ``got``): raises on every rank as :func:`agree` does, naming the fields from
+    ``entry`` and ``call`` (:func:`_fields`; ``enc``, the call's encoding, is not
+    needed there). Otherwise only the native-op fact differs: ``call.native``
+    is set to the agreed one.
     """
     verdict, native, low, negated = _VECTOR.unpack(got)
     if verdict != _OK:
         raise_failure(comm, error)
     if low != -negated:
-        fields = {"entry point": entry, **call.signature, **(call.counts or {})}
-        _find_disagreement(comm, fields, enc.wide(call.counts))
+        _raise_disagreement(comm, _fields(entry, call.signature, call.counts))
     call.native = bool(native)  # the agreed fact (a rank without the op sent 0)
     return call
 
 
-def _find_disagreement(comm, fields, wide):
-    """Raise on every rank: the signature codes differ (failure path: two more collectives)."""
-    buf = wide.copy()
-    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MIN)
-    lo, hi = buf[2 : 2 + MAX_FIELDS].tolist(), buf[2 + MAX_FIELDS :].tolist()
-    differ = [i for i in range(MAX_FIELDS) if lo[i] != -hi[i]]
+def _raise_disagreement(comm, fields):
+    """Raise on every rank: ranks agreed on different fields (failure path: one allgather).
+
+    Each rank sends each field's name, code and ``repr``; a field differs where
+    ranks hold different codes for it, or where some ranks have it and others
+    do not. Ranks in different calls (``ENTRY_FIELD`` differs) are named for that
+    alone: their other fields do not compare.
+    """
+    mine = {name: (_code(value), repr(value)) for name, value in fields.items()}
+    every = comm.allgather(mine)
+    names = dict.fromkeys(name for rank in every for name in rank)  # in order, each once
+    differ = [n for n in names if len({rank[n][0] if n in rank else None for rank in every}) > 1]
+    if ENTRY_FIELD in differ:
+        differ = [ENTRY_FIELD]
     if not differ:
         raise RuntimeError("mpitree internal error: signature codes differ but no field does")
-    _raise_disagreement(comm, fields, differ)
+    detail = "; ".join(f"{name}: {_holders(every, name)}" for name in differ)
+    raise ValueError(f"mpitree: ranks disagree on {', '.join(differ)} ({detail})")
 
 
-def _raise_disagreement(comm, fields, differ):
-    """Raise on every rank: ranks disagree on some fields (failure path: one allgather)."""
-    items = list(fields.items())
-    if differ[0] == 0:  # ranks are in different calls: the other fields do not compare
-        differ = differ[:1]
-    mine = [items[i] if i < len(items) else (f"field {i}", None) for i in differ]
-    every = comm.allgather([(name, repr(value)) for name, value in mine])
-    names = dict.fromkeys(name for rank in every for name, _ in rank)
-    detail = "; ".join(
-        ", ".join(f"rank {r}: {rank[j][0]}={rank[j][1]}" for r, rank in enumerate(every))
-        for j in range(len(differ))
-    )
-    raise ValueError(f"mpitree: ranks disagree on {', '.join(names)} ({detail})")
+def _holders(every, name):
+    """Return which ranks hold which value of ``name``: ``"rank 0 has 8, ranks 1-2 have 16"``."""
+    groups: dict = {}  # code -> (shown, [ranks]), in order of the lowest rank
+    for r, rank in enumerate(every):
+        code, shown = rank.get(name, (None, f"no {name}"))
+        groups.setdefault(code, (shown, []))[1].append(r)
+    parts = []
+    for shown, ranks in groups.values():
+        many = len(ranks) > 1
+        parts.append(f"rank{'s' * many} {_spans(ranks)} {'have' if many else 'has'} {shown}")
+    return ", ".join(parts)
+
+
+def _spans(ranks):
+    """Return ascending ``ranks`` as ``"0-2, 5"``."""
+    spans = []
+    for r in ranks:
+        if spans and spans[-1][1] == r - 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in spans)
 
 
 def flagged_allreduce(comm, values, op, error):

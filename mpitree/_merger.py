@@ -18,7 +18,7 @@ from collections import OrderedDict
 import numpy as np
 from mpi4py import MPI
 
-from ._buffers import describe, kind_for
+from ._buffers import kind_for, unserved
 from ._guard import raise_failure
 from ._invariant_merger import InvariantMerger
 from ._namespace import namespace
@@ -98,7 +98,7 @@ class Merger:
         cls = REGISTRY[strategy]
         kind = kind_for(cls.buffers, like)
         if kind is None:
-            raise ValueError(_no_kind(strategy, cls.buffers, like))
+            raise ValueError(unserved(strategy, cls.buffers, like))
         self.kind = kind((rows + 1, head_dim + 2), acc, like)
         self.buf = self.kind.buf
         self.records = self.buf[:rows]
@@ -260,16 +260,7 @@ class Merger:
         return f"Merger({self.strategy!r}, rows={rows}, D={width - 2}, {dtype}, {kind})"
 
 
-def _no_kind(strategy, buffers, like):
-    """Say that no kind of a strategy's declared ``buffers`` serves ``like``'s records."""
-    return (
-        f"strategy {strategy!r} merges in {' or '.join(buffers)} buffers, and no buffer kind "
-        f"registered under those names serves {describe(like)} (an adapter registers its "
-        "kinds when it is imported)"
-    )
-
-
-def buffer_kind(merge, like):
+def buffer_kind(merge, like, dtype=None):
     """Return the name of the buffer kind a call's merger will hold; raise if there is none.
 
     Runs in a call's local phase, before its agreement (``_agreed``): a strategy
@@ -283,6 +274,8 @@ def buffer_kind(merge, like):
         A call's ``(rows, head_dim, acc, options)`` (``Call.merge``).
     like : array or None
         The call's array (framework and device); None for host records.
+    dtype : dtype or str, optional
+        The dtype a call without arrays was given (a plan's), for the error.
 
     Returns
     -------
@@ -307,7 +300,7 @@ def buffer_kind(merge, like):
     buffers = REGISTRY[strategy].buffers
     kind = kind_for(buffers, like)
     if kind is None:
-        raise ValueError(_no_kind(strategy, buffers, like))
+        raise ValueError(unserved(strategy, buffers, like, dtype))
     return kind.name
 
 

@@ -24,6 +24,7 @@ class DeviceTensor(BufferKind):
 
     name = "device"
     host_memory = False
+    arrays = "CPU torch tensors (the tests' stand-in for device memory)"
 
     @classmethod
     def serves(cls, like):

@@ -240,6 +240,22 @@ def test_merge_names_the_op_it_runs():
     assert rows == want, res.stdout
 
 
+@pytest.mark.parametrize("without", [0, 1])
+def test_merge_names_the_op_every_rank_runs(without):
+    """One rank without the native op: each rank runs its own op, so the op rows say mixed,
+    whichever rank lacks it (rank 0's own op once named them), and the header says how many
+    ranks have it."""
+    merge = [PY, "-m", "mpitree", "merge", "--iters", "3", "--warmup", "1", "--rows", "4"]
+    ranks = [merge, merge]
+    ranks[without] = ["env", "MPITREE_NATIVE_OP=0", *merge]
+    res = run(1, [*ranks[0], ":", "-n", "1", *ranks[1]], timeout=60)
+    assert_clean(res, f"merge with rank {without} without the native op")
+    assert "native op: on 1 of 2 ranks;" in res.stdout.splitlines()[0], res.stdout
+    rows = [line[:34].rstrip() for line in res.stdout.splitlines()[2:-1]]
+    want = [row.replace("native op", "mixed op") for row in MERGE_ROWS]
+    assert rows == want, res.stdout
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_every_subcommand_runs_clean(n):
     """demo, bench, model and merge, each launched as a user would, at 1 to 4 ranks."""

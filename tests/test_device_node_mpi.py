@@ -178,6 +178,33 @@ def test_a_call_it_cannot_serve_raises_on_every_rank(stand_in):
     assert_allclose(out.numpy().astype(np.float64), prob.reference()[0], atol=2e-5)
 
 
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_the_error_names_what_the_call_got_and_what_the_kinds_serve(stand_in):
+    """A plan of a torch dtype (its records are host records), CPU tensors a kind missing on
+    one rank cannot serve: the error names the framework, dtype and device it got, and what
+    the strategy's kinds serve, never "numpy arrays"."""
+    comm = world()
+    serve = "device kinds registered serve CPU torch tensors (the tests' stand-in"
+    with pytest.raises(ValueError) as info:
+        mpitree.DecodePlan(1, 2, 2, 8, dtype=torch.bfloat16, strategy="device-node")
+    message = str(info.value)
+    assert "serves a DecodePlan of dtype torch.bfloat16: a plan is made from a dtype" in message
+    assert serve in message and "numpy arrays" not in message, message
+    last = comm.rank == comm.size - 1
+    if last:
+        _buffers.KINDS["device"].remove(DeviceTensor)
+    q = torch.zeros((1, 2, 1, 8), dtype=torch.float16)
+    try:
+        with pytest.raises((ValueError, RankError)) as info:
+            mpitree.tree_decode(q, q, q, strategy="device-node")
+    finally:
+        if last:
+            _buffers.register_kind(DeviceTensor)
+    message = str(info.value)
+    assert "serves torch.Tensor of torch.float16 on cpu; device kinds registered serve" in message
+    assert "CUDA tensors where Triton is installed" in message, message
+
+
 @pytest.mark.cuda
 @pytest.mark.parallel(nprocs=[1, 2, 3])
 @pytest.mark.skipif(not CUDA, reason="no CUDA device")

@@ -1,5 +1,6 @@
 """The strategy registry: declared attributes, and every list of strategies read from them."""
 
+import ast
 import itertools
 import os
 import pkgutil
@@ -18,6 +19,7 @@ from mpitree._registry import register, strategy_names
 from mpitree._strategies import REGISTRY, Strategy, auto_strategy, op_needed, resolve
 from mpitree._strategies.allgather import Allgather
 from mpitree._strategies.allreduce import Allreduce
+from mpitree._strategies.node import NodeStrategy
 from mpitree.cli import main
 from mpitree.cli.merge import merged
 
@@ -291,3 +293,17 @@ def test_a_new_strategy_is_one_file(tmp_path):
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "\necho " in res.stdout
+
+
+def test_node_strategies_derive_their_node_layout_once():
+    """``node`` and ``device-node`` split the communicator, check that a virtual node shares
+    memory and make the leaders' all-reduce in one place: their common base."""
+    calls = {}
+    for name in ("node", "device-node"):
+        cls = REGISTRY[name]
+        assert issubclass(cls, NodeStrategy), name
+        tree = ast.parse(Path(sys.modules[cls.__module__].__file__).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                calls[node.func.id] = calls.get(node.func.id, 0) + 1
+    assert [calls.get(f, 0) for f in ("layout", "_shared_node", "record_op")] == [1, 1, 1]

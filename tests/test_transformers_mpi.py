@@ -556,6 +556,32 @@ def test_a_rank_without_the_sharded_cache_raises_on_every_rank(bad_rank):
         assert_allclose(got.numpy(), model(ids).logits.numpy(), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_sharded_cache_under_another_attention_raises_on_every_rank(layers):
+    """sdpa over a ShardedCache attended each rank's shard alone, silently:
+    the next update (the next layer's, or a one-layer model's next forward's) raises on
+    every rank, before it stores anything. Reset, under mpitree's attention, it is exact."""
+    model = tiny_llama(layers)
+    ids, _ = prompt(9, False)
+    cache = mtt.ShardedCache(model.config, block_size=4)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad(), pytest.raises(ValueError, match="without mpitree's attention"):
+        model(ids, cache=cache)
+        model(ids[:, -1:], cache=cache)
+    assert [layer.length for layer in cache.layers] == [ids.shape[1]] + [0] * (layers - 1)
+    with torch.no_grad(), pytest.raises(ValueError, match="without mpitree's attention"):
+        model(ids[:, -1:], cache=cache)  # until the cache is reset
+    cache.reset()
+    model.set_attn_implementation("mpitree")
+    with torch.no_grad():
+        got = [model(ids[:, :-1], cache=cache).logits, model(ids[:, -1:], cache=cache).logits]
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = model(ids).logits
+    assert_allclose(torch.cat(got, 1).numpy(), want.numpy(), atol=1e-5, rtol=0)
+
+
 NO_TORCH = "raise ImportError('torch is not installed here')\n"
 
 

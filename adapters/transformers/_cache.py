@@ -80,6 +80,10 @@ class Sharding:
     # (View, thread id) of the last update given no attention keywords to carry its view,
     # until an attention call in that thread claims it (see :func:`claim`)
     unclaimed: tuple | None = None
+    # the step of the last update that handed its view on in the attention keywords, until
+    # the next update: mpitree's attention agrees on that step (Step.signature) before it,
+    # another attention never does (see ShardedCache.update)
+    handed: Step | None = None
     layers: int = 0  # the cache's layer count: a step's outputs are allocated together
     # a digest of the cache's batch operations and crops since it was made or reset, with
     # their arguments: agreed at each step, so a rank that ran one alone raises on every rank
@@ -92,7 +96,7 @@ class Sharding:
     def __deepcopy__(self, memo):
         """Copy the state and share the communicator (MPI communicators are never copied)."""
         twin = copy.copy(self)
-        twin.pending = twin.captured = twin.unclaimed = None
+        twin.pending = twin.captured = twin.unclaimed = twin.handed = None
         twin.step = Step(-1)
         twin.history = copy.deepcopy(self.history, memo)
         return twin
@@ -308,6 +312,18 @@ def foreign_shard(key, shard=None):
     return None
 
 
+def _unattended():
+    """Return the error of an update after one whose view no mpitree attention call took."""
+    return ValueError(
+        "ShardedCache: the model attended a cache layer's shard without mpitree's attention "
+        "(its attention is another, e.g. attn_implementation='sdpa' or 'eager'), so each "
+        "rank attended only the keys it holds: wrong results. Set the model's attention to "
+        "mpitree's (model.set_attn_implementation('mpitree'), or "
+        "attn_implementation='mpitree'), then cache.reset() (or a new cache). A forward that "
+        "failed between a cache update and its attention leaves the cache so too: reset it"
+    )
+
+
 def _prefix_of(x, buffer):
     """Whether ``x`` is ``buffer[:, :, :n]`` for some n (not another view, e.g. of fewer rows)."""
     return (
@@ -389,6 +405,7 @@ class ShardedLayer(CacheLayerMixin):
         if type(kwargs) is dict:
             kwargs[SHARD] = view
             self.sharding.unclaimed = None  # the last update's view is this one, in hand
+            self.sharding.handed = view.step
         else:
             self.sharding.unclaimed = (view, threading.get_ident())
         return keys, values
@@ -479,8 +496,13 @@ class ShardedLayer(CacheLayerMixin):
         self._buffers = (kb, vb, pb, self.keys, self.values, self.positions)
 
     def rollback(self, view):
-        """Drop the tokens the step of ``view`` stored (its agreement failed on some rank)."""
+        """Drop the tokens the step of ``view`` stored (its agreement failed on some rank).
+
+        mpitree's attention took the step's view (it failed agreeing on it): the next
+        update does not hold the step against it (:meth:`ShardedCache.update`).
+        """
         self.crop(min(view.start - self.length, 0))
+        self.sharding.handed = None
 
     def get_mask_sizes(self, query_length):
         """Global key count and offset the step's mask must cover."""
@@ -550,8 +572,10 @@ class ShardedCache(Cache):
     Use with ``attn_implementation="mpitree"`` (see :mod:`mpitree.adapters.transformers`):
     every rank runs the same model on the same inputs; each stores only the tokens
     its placement assigns it, and attention merges the ranks' partial states with
-    the tree reduction. ``get_seq_length`` reports the global length, so masks,
-    positions and ``generate`` see the whole sequence.
+    the tree reduction. Under another attention (``"sdpa"``), which would attend each
+    rank's own shard only, the next :meth:`update` raises on every rank.
+    ``get_seq_length`` reports the global length, so masks, positions and ``generate``
+    see the whole sequence.
 
     Parameters
     ----------
@@ -649,7 +673,21 @@ class ShardedCache(Cache):
         self.sharding.layers = layers
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """Store this rank's share of the new K/V for ``layer_idx``; return the shard."""
+        """Store this rank's share of the new K/V for ``layer_idx``; return the shard.
+
+        Raises
+        ------
+        ValueError
+            When the last update handed its shard's view on in the attention keywords
+            (as transformers' models pass them: ``kwargs=kwargs``) and no mpitree
+            attention call has agreed on that update's step since: the model's
+            attention is not mpitree's (``"sdpa"``, ``"eager"``), which attends each
+            rank's own shard only. Raised before this update stores anything, on
+            every rank alike (each runs the same model), with no communication.
+        """
+        handed = self.sharding.handed
+        if handed is not None and handed.signature is None:
+            raise _unattended()
         self.sharding.begin(layer_idx)  # a new model step unless layer_idx increases
         if self.sharding.captured is not None:
             self.sharding.captured.append((key_states, value_states))
@@ -675,6 +713,7 @@ class ShardedCache(Cache):
         self.sharding.history = None
         self.sharding.edits = 0
         self.sharding.step = Step(-1)
+        self.sharding.handed = None
 
     def reorder_cache(self, beam_idx):
         """Reorder the batch rows of every layer's shard as ``beam_idx`` says (beam search)."""

@@ -30,15 +30,13 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from .._op import record_op
-from .._topology import layout
 from .._traffic import traffic
-from . import Strategy, flagged, register, set_flag
-from .node import _shared_node
+from . import flagged, register, set_flag
+from .node import NodeStrategy
 
 
 @register
-class DeviceNode(Strategy):
+class DeviceNode(NodeStrategy):
     """Every node rank's records in one shared device stack, merged by one kernel per rank."""
 
     name = "device-node"
@@ -51,27 +49,16 @@ class DeviceNode(Strategy):
     modelled = False
 
     def __init__(self, merger, node_size=0, persistent=True):
-        super().__init__(merger, node_size, persistent)
         from mpitree.adapters import _device_slots  # torch: the buffer is a torch tensor
 
-        buf = self.kind.buf
+        buf = merger.kind.buf
         buf[-1] = 0  # the flag record: its m set each merge, its d and n stay 0
-        self._one = self.comm.Get_size() == 1
+        super().__init__(merger, node_size, persistent)
         if self._one:
             return
-        lay = layout(self.comm, node_size)
-        if node_size:
-            _shared_node(lay.node, self.comm)
-        self._node, self._leaders = lay.node, lay.leaders
-        self._several = lay.nodes > 1
-        if self._several and self._leaders != MPI.COMM_NULL:
-            host = self.host
-            rec, op = record_op(host.dtype, host.shape[1])
-            self._spec, self._op = [host, host.shape[0], rec], op
         self._slots = _device_slots.node_slots(self._node, buf, self.comm)
         self._upload = _device_slots.uploader(self.host)
         self._merge = _device_slots.merge_kernel(buf.device)
-        self._me, self._ranks = self._node.Get_rank(), self._node.Get_size()
 
     def reduce(self, local, failed):
         """Write this rank's slot, merge the node's slots on the device; leaders all-reduce."""

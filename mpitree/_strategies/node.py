@@ -24,6 +24,8 @@ so one window and one alternation serve them all.
 
 It merges in host memory (its buffer kinds: host or pinned): the strategy's
 ``host`` records ``(rows + 1, D + 2)``, the flag last.
+
+:class:`NodeStrategy`, its base, derives the node layout that ``device-node`` shares.
 """
 
 from __future__ import annotations
@@ -88,8 +90,49 @@ def _shared_node(node, comm):
         )
 
 
+class NodeStrategy(Strategy):
+    """A merge inside each node, then across nodes among their leaders: the node layout.
+
+    The base of the ``node`` and ``device-node`` strategies, which set their node's
+    slots up on it and merge in :meth:`reduce`. Building one is collective over the
+    merger's communicator on first use of a node size (:func:`~mpitree._topology.layout`).
+
+    Attributes
+    ----------
+    _one : bool
+        The communicator has one rank: nothing else is set, nothing to merge with.
+    _node, _leaders : mpi4py.MPI.Intracomm
+        This rank's node (real, or a virtual node of ``node_size`` ranks, which must
+        share memory: else an error on every rank) and the node leaders'
+        communicator (``COMM_NULL`` on other ranks).
+    _several : bool
+        There is more than one node: the leaders all-reduce their nodes' merges.
+    _spec, _op : list, mpi4py.MPI.Op
+        On a leader of several nodes: the host buffer's MPI message and the native
+        user op, for that all-reduce.
+    _me, _ranks : int
+        This rank's place in its node, and the node's ranks.
+    """
+
+    def __init__(self, merger, node_size=0, persistent=True):
+        super().__init__(merger, node_size, persistent)
+        self._one = self.comm.Get_size() == 1
+        if self._one:
+            return
+        lay = layout(self.comm, node_size)
+        if node_size:
+            _shared_node(lay.node, self.comm)
+        self._node, self._leaders = lay.node, lay.leaders
+        self._several = lay.nodes > 1
+        if self._several and self._leaders != MPI.COMM_NULL:
+            host = self.host
+            rec, op = record_op(host.dtype, host.shape[1])
+            self._spec, self._op = [host, host.shape[0], rec], op
+        self._me, self._ranks = self._node.Get_rank(), self._node.Get_size()
+
+
 @register
-class Node(Strategy):
+class Node(NodeStrategy):
     """Every node rank's records in one shared window, merged in rank order by every rank."""
 
     name = "node"
@@ -101,21 +144,12 @@ class Node(Strategy):
 
     def __init__(self, merger, node_size=0, persistent=True):
         super().__init__(merger, node_size, persistent)
-        buf = self.host
-        self._one = self.comm.Get_size() == 1
         if self._one:
             return
-        lay = layout(self.comm, node_size)
-        if node_size:
-            _shared_node(lay.node, self.comm)
-        self._node, self._leaders = lay.node, lay.leaders
-        self._several = lay.nodes > 1
-        if self._several and self._leaders != MPI.COMM_NULL:
-            rec, op = record_op(buf.dtype, buf.shape[1])
-            self._spec, self._op = [buf, buf.shape[0], rec], op
+        buf = self.host
         self._window = window_of(self._node)
         self._window.fit(buf.nbytes)
-        self._me, self._ranks, self._generation = self._node.Get_rank(), self._window.ranks, -1
+        self._generation = -1
         lib = native_lib()
         self._combine = None if lib is None else lib.mpitree_combine
         self._bits, self._count, self._dim = 8 * buf.itemsize, buf.shape[0], buf.shape[1] - 2

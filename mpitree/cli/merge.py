@@ -27,19 +27,35 @@ def add_arguments(parser):
     )
 
 
-def merged(node_size):
+def merged(node_size, op=None):
     """Return ``(name, row label)`` of every strategy that merges records, in registry order.
 
     A strategy that moves keys and values (``needs_kv``) has no records-only merge to time.
-    A label's ``{op}`` names the user op the merge runs: ``native`` or ``numpy``.
+    A label's ``{op}`` names the user op the merge runs: ``op`` (:func:`ops_run`), by
+    default this rank's own, ``native`` or ``numpy``.
     """
     nodes = node_size or "real"
-    op = "native" if native_op_available() else "numpy"
+    if op is None:
+        op = "native" if native_op_available() else "numpy"
     return [
         (name, (cls.label or name).format(nodes=nodes, op=op))
         for name, cls in REGISTRY.items()
         if not cls.needs_kv and name in host_strategies()
     ]
+
+
+def ops_run(comm):
+    """Return the user op a merge with the native op runs, over every rank (collective).
+
+    Each rank runs its own: the compiled op where it has it, else the numpy op
+    (``MPITREE_NATIVE_OP=0``, or no build). So a merge runs ``"native"`` where every
+    rank has it, ``"numpy"`` where none has, ``"mixed"`` otherwise; and, for the
+    header, how many ranks have it.
+    """
+    have = sum(comm.allgather(native_op_available()))
+    size = comm.Get_size()
+    op = "native" if have == size else "numpy" if have == 0 else "mixed"
+    return op, (have == size if op != "mixed" else f"on {have} of {size} ranks")
 
 
 def run(args):
@@ -56,6 +72,7 @@ def run(args):
         )
         return merger.buf, lambda: merger.merge(lambda records: None)
 
+    op, native = ops_run(comm)
     plain, pybuf = data.copy(), data.copy()
     pyrec, pyop = python_op(np.float32, dim + 2)
     methods = {  # name -> (buffer restored before each merge, merge)
@@ -64,7 +81,7 @@ def run(args):
             lambda: comm.Allreduce(MPI.IN_PLACE, plain, MPI.SUM),
         ),
     }
-    for name, label in merged(args.node_size):
+    for name, label in merged(args.node_size, op):
         methods[label] = reducer(name)
         if REGISTRY[name].persistent:
             methods[f"{label}, persistent"] = reducer(name, persistent=True)
@@ -93,7 +110,7 @@ def run(args):
         base = med[0]
         print(
             f"merge of {rows} records x {dim + 2} float32 ({(rows + 1) * (dim + 2) * 4} bytes) "
-            f"on {comm.Get_size()} ranks; native op: {native_op_available()}; "
+            f"on {comm.Get_size()} ranks; native op: {native}; "
             f"{MPI.Get_library_version().splitlines()[0].strip()}"
         )
         print(f"{'method':<34} {'median us':>10} {'vs MPI.SUM':>11}")
