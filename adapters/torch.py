@@ -239,7 +239,7 @@ class CudaTorch(_namespace.Torch):
             records = t.from_numpy(out)
             kernel.decode_records(q, k, v, scale, lens, vis, records, scratch=work.scratch)
             return True
-        kernel.decode_records(q, k, v, scale, lens, vis, work.device(), scratch=work.scratch)
+        kernel.decode_records(q, k, v, scale, lens, vis, work.twin(), scratch=work.scratch)
         work.fresh = alone(out)
         if not work.fresh:  # the merge reads the host records: one device-to-host copy
             if q.device.type == "cuda" and t.cuda.is_current_stream_capturing():
@@ -267,7 +267,7 @@ class CudaTorch(_namespace.Torch):
         if work.fresh:
             work.fresh = False  # consumed: a later step writes it again
         else:
-            work.device().copy_(self.t.from_numpy(records))  # one host-to-device copy
+            work.twin().copy_(self.t.from_numpy(records))  # one host-to-device copy
         return kernel.finish_output(work.rec, like.dtype, out)
 
     def host_records(self, records):
@@ -300,6 +300,13 @@ class Workspace:
     allocate nothing: the key splits' partial records (``scratch``, by shape) and,
     for CUDA tensors' host records, their device twin ``rec``, made on first use.
 
+    Parameters
+    ----------
+    shape : tuple of int
+        The records' ``(B, Hq, Sq, D + 2)``.
+    device : torch.device
+        Where the inputs live (``where``).
+
     Attributes
     ----------
     scratch : dict
@@ -312,16 +319,16 @@ class Workspace:
         takes them).
     """
 
-    __slots__ = ("device_", "fresh", "rec", "scratch", "shape")
+    __slots__ = ("fresh", "rec", "scratch", "shape", "where")
 
     def __init__(self, shape, device):
-        self.shape, self.device_ = tuple(shape), device
+        self.shape, self.where = tuple(shape), device
         self.scratch, self.rec, self.fresh = {}, None, False
 
-    def device(self):
+    def twin(self):
         """Return the device twin ``rec``, made on first use."""
         if self.rec is None:
-            self.rec = torch.empty(self.shape, dtype=torch.float32, device=self.device_)
+            self.rec = torch.empty(self.shape, dtype=torch.float32, device=self.where)
         return self.rec
 
 
@@ -340,7 +347,7 @@ def workspace(addr, shape, device):
     """
     key = (addr, tuple(shape))
     work = _WORK.get(key)
-    if work is None or work.device_ != device:
+    if work is None or work.where != device:
         if len(_WORK) >= _WORK_SIZE:
             _evict()
         work = _WORK[key] = Workspace(shape, device)

@@ -10,6 +10,10 @@ fills, and the merged records as host memory for the output
 (:meth:`BufferKind.output`). The core registers ``"host"`` (and CuPy's
 ``"pinned"``); an adapter registers its own kinds when it is imported (the torch
 adapter: ``"pinned"`` for CUDA tensors). docs/strategies.md, "Buffer kinds".
+
+A one-rank :class:`~mpitree.DecodePlan` marks its host records as merged by that
+rank alone (:func:`merged_alone`): a device kernel may then keep them on the device
+(docs/frameworks.md, "A step without allocation, and CUDA graphs").
 """
 
 from __future__ import annotations
