@@ -214,7 +214,7 @@ def _mask_strides(vis):
     return s0, s1 if vis.shape[1] > 1 else 0, s2, s3
 
 
-def decode_records(q, k, v, scale, lens, vis, out, splits=None):
+def decode_records(q, k, v, scale, lens, vis, out, splits=None, scratch=None):
     """Write the records of q over k, v into ``out``, a float32 tensor on q's device.
 
     Parameters
@@ -234,6 +234,10 @@ def decode_records(q, k, v, scale, lens, vis, out, splits=None):
     splits : int, optional
         Key splits (default: enough programs to fill the device); the records'
         bits depend on it, and on nothing else but the inputs.
+    scratch : dict, optional
+        The caller's scratch, kept across calls: the splits' partial records are
+        allocated there once per shape and reused (a plan's steps allocate nothing).
+        Without it, each call with more than one split allocates them.
     """
     quiet = _launching(q)
     b, hq, sq, dim = (int(x) for x in q.shape)
@@ -256,9 +260,7 @@ def decode_records(q, k, v, scale, lens, vis, out, splits=None):
         lens = lens.to(q.device)
     if vis is not None:
         vis = vis.to(q.device).view(torch.uint8)
-    part = out
-    if splits > 1:
-        part = torch.empty((splits, *out.shape), dtype=torch.float32, device=q.device)
+    part = out if splits == 1 else _partials(scratch, (splits, *out.shape), q.device)
     ps = part.stride()[-4:]
     with quiet:
         _split_kernel[(programs, splits)](
@@ -276,20 +278,47 @@ def decode_records(q, k, v, scale, lens, vis, out, splits=None):
             )  # fmt: skip
 
 
-def finish_output(records, dtype):
+def _partials(scratch, shape, device):
+    """Return a float32 ``shape`` tensor for the splits' partials: ``scratch``'s, made once."""
+    if scratch is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    part = scratch.get(shape)
+    if part is None:
+        part = scratch[shape] = torch.empty(shape, dtype=torch.float32, device=device)
+    return part
+
+
+def finish_output(records, dtype, out=None):
     """Return ``n / d`` of float32 records ``(..., D + 2)`` on their device, in ``dtype``.
 
     The same values as :func:`mpitree._state.output_of` rounded to ``dtype``: one
     IEEE division, then one rounding to nearest.
+
+    Parameters
+    ----------
+    records : torch.Tensor
+        float32 ``(..., D + 2)``.
+    dtype : torch.dtype
+        The output's dtype.
+    out : torch.Tensor, optional
+        ``(..., D)`` of ``dtype`` on the records' device, written in place and
+        returned (nothing allocated when it and the records are contiguous);
+        default: a new tensor.
     """
     quiet = _launching(records)
     records = records.contiguous()
     *shape, w = records.shape
     dim = w - 2
-    out = torch.empty((*shape, dim), dtype=dtype, device=records.device)
-    n = out.numel() // max(dim, 1)
+    target = out
+    if out is None or not out.is_contiguous():
+        target = torch.empty((*shape, dim), dtype=dtype, device=records.device)
+    n = target.numel() // max(dim, 1)
     if n and dim:
         with quiet:
             block_d = max(16, triton.next_power_of_2(dim))
-            _finish_kernel[(n,)](records, out, w, dim, DIM=dim, BLOCK_D=block_d)
+            _finish_kernel[(n,)](records, target, w, dim, DIM=dim, BLOCK_D=block_d)
+    if out is None:
+        return target
+    if target is not out:
+        out.copy_(target)
     return out

@@ -22,6 +22,10 @@ torch tensors on any device instead: float16, bfloat16 and float32 inputs, every
 mask, the records written straight into the merge's buffer (CPU tensors, under
 Triton's interpreter, ``TRITON_INTERPRET=1``) or staged from the device, and the
 output ``n / d`` finished by its own kernel on the device. Triton is imported only then.
+What its steps write besides the output lives in a :class:`Workspace` per records
+buffer, made once (the key splits' partials; a CUDA step's device twin of the
+records): a plan's steps allocate nothing, and a one-rank plan's records never
+leave the device, so that a CUDA graph can capture its step.
 
 Importing this module imports torch; ``import mpitree`` never does.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections import OrderedDict
 
 from ._hint import missing
 
@@ -39,8 +44,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise missing("mpitree.adapters.torch", "torch", exc) from exc
 
 from mpitree import DecodePlan, _namespace, extend, tree_decode
-from mpitree._buffers import BufferKind, register_kind
+from mpitree._buffers import BufferKind, alone, alone_at, register_kind
 from mpitree._checks import check_masking, check_qkv
+from mpitree._library import address
 from mpitree._local import state_records
 from mpitree._masks import visibility
 from mpitree._options import dtype_name
@@ -204,9 +210,18 @@ class CudaTorch(_namespace.Torch):
 
         Returns False (nothing written) unless ``MPITREE_KERNEL=triton``, and for
         inputs it does not take (float64; records other than float32). ``out`` is
-        host memory (numpy: CPU tensors share it, a device's records are staged
-        through one copy) or a tensor on the inputs' device (a merger's buffer of a
-        device kind), written in place.
+        host memory (numpy: CPU tensors share it) or a tensor on the inputs' device
+        (a merger's buffer of a device kind), written in place. A CUDA step's
+        records go into the host buffer's device twin (:class:`Workspace`), then
+        down in one copy; a one-rank plan's stay there (``_buffers.alone``: the
+        merge is the identity, the output is finished from the twin). The key
+        splits' partials live in the workspace too: nothing is allocated per step.
+
+        Raises
+        ------
+        RuntimeError
+            While a CUDA graph captures a step whose records must go down to the
+            host for an MPI merge: a graph cannot hold it (one rank only).
         """
         kernel = _triton()
         if kernel is None or dtype_name(q.dtype) not in _TRITON_DTYPES:
@@ -215,27 +230,138 @@ class CudaTorch(_namespace.Torch):
             return False
         t = self.t
         q, k, v = (x.detach() for x in (q, k, v))
-        if isinstance(out, t.Tensor) or q.device.type == "cpu":
-            out = out if isinstance(out, t.Tensor) else t.from_numpy(out)
-            kernel.decode_records(q, k, v, scale, lens, vis, out)
+        if isinstance(out, t.Tensor):
+            work = workspace(out.data_ptr(), out.shape, out.device)
+            kernel.decode_records(q, k, v, scale, lens, vis, out, scratch=work.scratch)
             return True
-        rec = t.empty(out.shape, dtype=t.float32, device=q.device)
-        kernel.decode_records(q, k, v, scale, lens, vis, rec)
-        t.from_numpy(out).copy_(rec)
+        work = workspace(address(out), out.shape, q.device)
+        if shares_host(q.device):
+            records = t.from_numpy(out)
+            kernel.decode_records(q, k, v, scale, lens, vis, records, scratch=work.scratch)
+            return True
+        kernel.decode_records(q, k, v, scale, lens, vis, work.twin(), scratch=work.scratch)
+        work.fresh = alone(out)
+        if not work.fresh:  # the merge reads the host records: one device-to-host copy
+            if q.device.type == "cuda" and t.cuda.is_current_stream_capturing():
+                raise RuntimeError(GRAPH_NEEDS_ONE_RANK)
+            t.from_numpy(out).copy_(work.rec)
         return True
 
-    def kernel_output(self, records, like):
+    def kernel_output(self, records, like, out=None):
         """Return ``n / d`` of float32 host records from the Triton kernel, on ``like``'s device.
 
         None (the host finishes) unless ``MPITREE_KERNEL=triton``, and for records
-        other than float32 or an output dtype the kernel does not write.
+        other than float32 or an output dtype the kernel does not write. A CUDA
+        step's records come from the host buffer's device twin: as the kernel left
+        them (one rank: no copy), or the merged host records copied up into it.
+        ``out``, when given, is written in place and returned.
         """
         kernel = _triton()
         if kernel is None or records.dtype != "float32":
             return None
         if dtype_name(like.dtype) not in _TRITON_DTYPES:
             return None
-        return kernel.finish_output(self.from_numpy(records, like), like.dtype)
+        if shares_host(like.device):
+            return kernel.finish_output(self.t.from_numpy(records), like.dtype, out)
+        work = workspace(address(records), records.shape, like.device)
+        if work.fresh:
+            work.fresh = False  # consumed: a later step writes it again
+        else:
+            work.twin().copy_(self.t.from_numpy(records))  # one host-to-device copy
+        return kernel.finish_output(work.rec, like.dtype, out)
+
+    def host_records(self, records):
+        """Return host records as merged: a one-rank plan's left on the device copied down first."""
+        if self.t.is_tensor(records):
+            return records
+        work = _WORK.get((address(records), records.shape)) if records.size else None
+        if work is not None and work.fresh:
+            self.t.from_numpy(records).copy_(work.rec)
+            work.fresh = False
+        return records
+
+
+def shares_host(device):
+    """Whether tensors on ``device`` share host records without a copy (CPU: no device twin)."""
+    return device.type == "cpu"
+
+
+GRAPH_NEEDS_ONE_RANK = (
+    "mpitree: a CUDA graph cannot hold this step: its records go through the host for the "
+    "MPI merge across ranks (a graph holds a DecodePlan step with one rank only; "
+    "docs/frameworks.md, 'CUDA graphs')"
+)
+
+
+class Workspace:
+    """The device memory one records buffer's steps reuse: the kernel's scratch, a device twin.
+
+    Made once per records buffer (:func:`workspace`), so that a plan's steps
+    allocate nothing: the key splits' partial records (``scratch``, by shape) and,
+    for CUDA tensors' host records, their device twin ``rec``, made on first use.
+
+    Parameters
+    ----------
+    shape : tuple of int
+        The records' ``(B, Hq, Sq, D + 2)``.
+    device : torch.device
+        Where the inputs live (``where``).
+
+    Attributes
+    ----------
+    scratch : dict
+        shape -> float32 tensor, for ``_triton_decode.decode_records``.
+    rec : torch.Tensor or None
+        The device twin of host records.
+    fresh : bool
+        The twin holds the records and the host buffer does not (a one-rank plan's
+        step, until :meth:`CudaTorch.kernel_output` or :meth:`CudaTorch.host_records`
+        takes them).
+    """
+
+    __slots__ = ("fresh", "rec", "scratch", "shape", "where")
+
+    def __init__(self, shape, device):
+        self.shape, self.where = tuple(shape), device
+        self.scratch, self.rec, self.fresh = {}, None, False
+
+    def twin(self):
+        """Return the device twin ``rec``, made on first use."""
+        if self.rec is None:
+            self.rec = torch.empty(self.shape, dtype=torch.float32, device=self.where)
+        return self.rec
+
+
+_WORK = OrderedDict()  # (address, shape) -> Workspace, the most recently used last
+_WORK_SIZE = 16
+
+
+def workspace(addr, shape, device):
+    """Return the :class:`Workspace` of the records at ``addr``, of ``shape``, on ``device``.
+
+    Kept for the last :data:`_WORK_SIZE` buffers (a plan or a shared merger hands
+    the same buffer step after step), and for as long as a one-rank plan's records
+    live (``_buffers.alone``): a CUDA graph captured over its step holds the
+    workspace's memory. A buffer that takes a dead one's address reuses its
+    workspace safely: it is scratch, and each step sets the twin's freshness.
+    """
+    key = (addr, tuple(shape))
+    work = _WORK.get(key)
+    if work is None or work.where != device:
+        if len(_WORK) >= _WORK_SIZE:
+            _evict()
+        work = _WORK[key] = Workspace(shape, device)
+    else:
+        _WORK.move_to_end(key)
+    return work
+
+
+def _evict():
+    """Drop the least recently used workspace but a live one-rank plan's, if there is one."""
+    for key in _WORK:
+        if not alone_at(key[0]):
+            del _WORK[key]
+            return
 
 
 class Pinned(BufferKind):

@@ -16,7 +16,11 @@ with CUDA events (median of ``--steps`` after ``--warmup``):
 - ``triton_records``, ``triton_tree``, ``triton_plan``: ``records``, ``tree_decode``
   and ``plan`` with ``MPITREE_KERNEL=triton`` set around each: the fused Triton
   kernel (``adapters/_triton_decode.py``) writes the records (rows left out where
-  triton is not installed).
+  triton is not installed);
+- ``triton_plan_out``: ``triton_plan`` into one output tensor (``out=``: a step
+  allocates nothing);
+- ``triton_graph``: with one rank, that step captured once in a ``torch.cuda.CUDAGraph``
+  and replayed (the row is left out, saying why, where the capture fails).
 
 Each row's error is against ``mpitree.reference_attention`` in float64 on the same
 (rounded) inputs: the local rows over this rank's keys, the merged ones over the whole
@@ -43,6 +47,7 @@ from mpitree.adapters import torch as mt
 import mpitree
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MERGED = ("tree_decode", "plan", "triton_tree", "triton_plan", "triton_plan_out", "triton_graph")
 
 
 def timed(fn, steps, warmup):
@@ -86,11 +91,36 @@ def triton_methods(q, k, v, kw, comm, plan):
         return run
 
     records = selected(lambda: mt.local_state(q, k, v, kv_len=kw.get("kv_len")))
-    return {
+    out = torch.empty_like(q)
+    step = selected(lambda: plan.decode(q, k, v, out=out, **kw))
+    methods = {
         "triton_records": records,
         "triton_tree": selected(lambda: mpitree.tree_decode(q, k, v, comm=comm, **kw)),
         "triton_plan": selected(lambda: plan.decode(q, k, v, **kw)),
+        "triton_plan_out": step,
     }
+    if comm.size == 1:
+        try:
+            graph = captured(step)
+        except Exception as exc:  # an untried path on a new machine: say why, keep the rest
+            print(f"no triton_graph row: the capture failed: {type(exc).__name__}: {exc}")
+        else:
+            methods["triton_graph"] = lambda: (graph.replay(), out)[1]
+    return methods
+
+
+def captured(step):
+    """Return a ``torch.cuda.CUDAGraph`` of ``step()``, warmed up on a side stream first."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
 
 
 def main():
@@ -163,6 +193,9 @@ def main():
         outs["triton_records"] = mpitree.State(rec).output()
         outs["triton_tree"] = methods["triton_tree"]()
         outs["triton_plan"] = methods["triton_plan"]()
+        outs["triton_plan_out"] = methods["triton_plan_out"]().clone()
+        if "triton_graph" in methods:
+            outs["triton_graph"] = methods["triton_graph"]().clone()
     if args.profile:  # last: the profiler leaves CUDA's activity tracing on, slowing launches
         with torch.profiler.profile() as prof:
             for _ in range(20):
@@ -183,7 +216,7 @@ def main():
     for name, out in outs.items():
         got = out if isinstance(out, np.ndarray) else out.double().cpu().numpy()
         whole, own = refs["all" if name in ("sdpa", "flash_lse") else "seen"]
-        merged = name in ("tree_decode", "plan", "triton_tree", "triton_plan")
+        merged = name in MERGED
         err[name] = float(np.abs(got - (whole if merged else own)).max())
     bw = 2 * nbytes / med["copy"] / 1e6  # GB/s, read + write
     floor = nbytes / bw / 1e6  # ms
@@ -192,10 +225,10 @@ def main():
         f"D {dim}, {n} {args.dtype} keys per rank" + (f", kv_len {seen}" if args.kv_len else "")
     )
     print(f"K+V per rank {nbytes / 1e6:.1f} MB; copy {bw:.0f} GB/s; read floor {floor:.4f} ms")
-    print(f"{'method':<14} {'median ms':>10} {'x floor':>8} {'max |err|':>10}")
+    print(f"{'method':<16} {'median ms':>10} {'x floor':>8} {'max |err|':>10}")
     for key, t in med.items():
         e = f"{err[key]:.2e}" if key in err else "-"
-        print(f"{key:<14} {t:>10.4f} {t / floor:>8.2f} {e:>10}")
+        print(f"{key:<16} {t:>10.4f} {t / floor:>8.2f} {e:>10}")
 
 
 def _whole_and_own(shards, keys):

@@ -10,11 +10,16 @@ fills, and the merged records as host memory for the output
 (:meth:`BufferKind.output`). The core registers ``"host"`` (and CuPy's
 ``"pinned"``); an adapter registers its own kinds when it is imported (the torch
 adapter: ``"pinned"`` for CUDA tensors). docs/strategies.md, "Buffer kinds".
+
+A one-rank :class:`~mpitree.DecodePlan` marks its host records as merged by that
+rank alone (:func:`merged_alone`): a device kernel may then keep them on the device
+(docs/frameworks.md, "A step without allocation, and CUDA graphs").
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 
 import numpy as np
 
@@ -148,6 +153,41 @@ class CupyPinned(BufferKind):
     def allocate(self, shape, dtype, like):
         """Return a numpy array over pinned memory."""
         return sys.modules["cupyx"].empty_pinned(shape, dtype=np.dtype(dtype))
+
+
+#: address -> a weak reference to host records whose merge is the identity (a one-rank
+#: plan's), filled by :func:`merged_alone`
+_ALONE: dict = {}
+
+
+def merged_alone(records):
+    """Mark host records as merged by one rank alone: no merge reads or writes them (local).
+
+    A one-rank :class:`~mpitree.DecodePlan` marks its merger's records: a device
+    kernel (the torch adapter's Triton path) may then keep a step's records on the
+    device and finish its output there, never staging them through the host. The
+    mark lasts while ``records`` lives.
+    """
+    if records.size == 0:
+        return
+    key = address(records)
+
+    def gone(ref, key=key):
+        if _ALONE.get(key) is ref:
+            del _ALONE[key]
+
+    _ALONE[key] = weakref.ref(records, gone)
+
+
+def alone(records):
+    """Whether host ``records`` (or a view at their address) are marked by :func:`merged_alone`."""
+    return alone_at(address(records))
+
+
+def alone_at(addr):
+    """Whether the host records at address ``addr`` are marked by :func:`merged_alone`."""
+    ref = _ALONE.get(addr)
+    return ref is not None and ref() is not None
 
 
 def kind_for(buffers, like):

@@ -140,7 +140,8 @@ def check_masking(ns, problem, t, kv_len=None, q_pos=None, k_pos=None, mask=None
         raise ValueError("q_pos and k_pos must be given together")
     given = (("kv_len", kv_len, (b,)), ("q_pos", q_pos, (b, sq)), ("k_pos", k_pos, (b, t)))
     kv_len, q_pos, k_pos = (x if x is None else _int_array(ns, n, x, s) for n, x, s in given)
-    if kv_len is not None and b and (int(kv_len.min()) < 0 or int(kv_len.max()) > t):
+    values = kv_len is not None and b and not ns.capturing(kv_len)  # read on the host
+    if values and (int(kv_len.min()) < 0 or int(kv_len.max()) > t):
         raise ValueError(f"kv_len must lie in [0, {t}] (this shard's length), got {kv_len}")
     if mask is not None:
         if not is_array(mask) or not namespace(mask).is_bool(mask):
@@ -162,3 +163,29 @@ def check_finite(ns, arrays):
     for name, x in arrays.items():
         if not ns.all(ns.isfinite(x)):
             raise ValueError(f"{name} contains NaN or Inf")
+
+
+def output_error(out, like, shape):
+    """Return the exception an ``out=`` array for a result like ``like`` of ``shape`` calls for.
+
+    None where ``out`` can take it: an array of ``like``'s framework (not JAX, whose
+    arrays are immutable), dtype and device, of exactly ``shape``. Never raises:
+    a caller refuses the step inside its merge's guard with what it returns.
+    """
+    try:
+        if not is_array(out) or namespace(out).name != namespace(like).name:
+            return TypeError(f"out must be an array of q's framework, got {type(out).__name__}")
+        ns = namespace(out)
+        if ns.name == "jax":
+            return TypeError("out cannot be a JAX array (JAX arrays are immutable)")
+        if ns.name == "numpy" and not out.flags.writeable:
+            return ValueError("out is read-only")
+        if _shape(out) != tuple(shape):
+            return ValueError(f"out has shape {_shape(out)}, the result {tuple(shape)}")
+        if dtype_name(out.dtype) != dtype_name(like.dtype):
+            return TypeError(f"out is {dtype_name(out.dtype)}, q is {dtype_name(like.dtype)}")
+        if ns.device(out) != ns.device(like):
+            return ValueError(f"out is on {ns.device(out)[-1]}, q on {ns.device(like)[-1]}")
+    except Exception as exc:  # a verdict, never raised here
+        return exc
+    return None

@@ -10,7 +10,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ._agreed import agree_merger
-from ._checks import Problem
+from ._buffers import merged_alone
+from ._checks import Problem, output_error
 from ._guard import Call, agree, check_comm, entry_point
 from ._invariant_step import (
     _placement_unused,
@@ -44,12 +45,14 @@ def _decode_lane(
     return_lse=False,
     kv_start=None,
     kv_blocks=None,
+    out=None,
 ):
     """:meth:`DecodePlan.decode`'s lane: the plan's step in one compiled call; else None.
 
     It runs where the plan's step is bound once (:meth:`Step.compile
     <mpitree._steps.Step.compile>`), the step has no lengths, positions, mask
-    or placement (``return_lse`` a bool), the fast path is on (no
+    or placement (``return_lse`` a bool; ``out``, if given, a writeable C-contiguous
+    float32 numpy array of q's shape), the fast path is on (no
     :class:`full_checks` block) and no observer is on the phase hook
     (``phase_times`` times the guarded path's phases), and its arrays have the
     layout of the last step that passed the full checks (:meth:`KernelSlot.load
@@ -76,7 +79,16 @@ def _decode_lane(
             or not plan._step.kernel.load(q, k, v, compiled.struct)
         ):
             return None
-        out = np.empty(q.shape, np.float32)
+        if out is None:
+            out = np.empty(q.shape, np.float32)
+        elif not (
+            type(out) is np.ndarray
+            and out.dtype == np.float32
+            and out.shape == q.shape
+            and out.flags.c_contiguous
+            and out.flags.writeable
+        ):
+            return None  # the guarded path checks it and says what is wrong
         target = address(out)
     except Exception:  # nothing has communicated: the guarded path decides
         return None
@@ -188,6 +200,8 @@ class DecodePlan:
         limit_blas_threads()
         self._step = Step(call, self.problem, self.options)  # its kernel: the last checked layout
         self._compiled = self._step.compile(self._merger)  # its fast form (decode's lane)
+        if self._ranks == 1 and self.options.deterministic != INVARIANT:
+            merged_alone(self._merger.records)  # a device kernel may keep them on the device
 
     @property
     def scale(self) -> float:
@@ -213,6 +227,7 @@ class DecodePlan:
         return_lse: bool = False,
         kv_start: int | None = None,
         kv_blocks: Array | None = None,
+        out: Array | None = None,
     ) -> Array | tuple[Array, Array]:
         """Run one decode step; collective over the plan's communicator.
 
@@ -229,12 +244,19 @@ class DecodePlan:
         kv_start, kv_blocks
             This shard's place in the sequence, in ``deterministic="invariant"``
             mode only (give one): as in :func:`mpitree.tree_decode`.
+        out : array, optional
+            ``(B, Hq, Sq, D)`` of q's framework (not JAX), dtype and device: the
+            output is written into it and it is returned, as FlashInfer's
+            ``run(..., out=)`` and vLLM's preallocated ``output`` do. With torch
+            tensors and ``MPITREE_KERNEL=triton`` a step then allocates nothing
+            (docs/frameworks.md, "CUDA graphs"); default: a new array each step.
 
         Returns
         -------
         out : array
             ``(B, Hq, Sq, D)`` in q's framework, dtype and device; 0 for rows that see
-            no key.
+            no key. ``out`` itself where it was given (unless torch tracks gradients
+            through q, k or v: then a copy tied to them).
         lse : array
             ``(B, Hq, Sq)``, float32, natural log; -inf for rows that see no key.
             Only with ``return_lse=True``.
@@ -259,8 +281,12 @@ class DecodePlan:
         else:
             local = step
             step.args, step.checked, step.fast = args, None, FAST_PATH
-        records = self._merger.merge(local)
-        return finish(records.reshape(*self.problem.row_shape, -1), q, return_lse, inputs=args[:3])
+        problem = self.problem
+        if out is not None:  # a bad one is refused inside the merge's guard
+            bad = output_error(out, q, (*problem.row_shape, problem.head_dim))
+            local = local if bad is None else functools.partial(_refuse, bad)
+        records = self._merger.merge(local).reshape(*problem.row_shape, -1)
+        return finish(records, q, return_lse, inputs=args[:3], out=out)
 
     def _pieces(self, args, checked, kv_start, kv_blocks):
         """Return a ``deterministic="invariant"`` step's local work: this shard's pieces."""
@@ -282,6 +308,11 @@ class DecodePlan:
 
     def __repr__(self):
         return f"DecodePlan({self.problem}, strategy={self.strategy!r}, ranks={self._ranks})"
+
+
+def _refuse(error, *records):
+    """Raise ``error`` as a step's local work (a bad ``out``): every rank raises it."""
+    raise error
 
 
 def plan_merger(plan):

@@ -196,6 +196,10 @@ class NumpyLike:
         """Whether ``x`` is host memory numpy can share without a copy."""
         return self.name == "numpy"
 
+    def capturing(self, x):
+        """Whether work on ``x`` is being captured into a device graph: never here."""
+        return False
+
     def host_layout(self, x):
         """Return (data address, shape, strides in bytes) of a numpy array, or None."""
         if not isinstance(x, np.ndarray):
@@ -226,9 +230,13 @@ class NumpyLike:
         """Write records from a selected device kernel into ``out``: none here (False)."""
         return False
 
-    def kernel_output(self, records, like):
+    def kernel_output(self, records, like, out=None):
         """Return ``n / d`` from a selected device kernel: none here (None)."""
         return None
+
+    def host_records(self, records):
+        """Return host records as merged (a device kernel may hold them elsewhere): as they are."""
+        return records
 
 
 class Torch:
@@ -379,6 +387,16 @@ class Torch:
         """Whether ``x`` is host memory numpy can share without a copy."""
         return x.device.type == "cpu" and x.dtype != self.t.bfloat16
 
+    def capturing(self, x):
+        """Whether the current CUDA stream captures a graph and ``x`` is a CUDA tensor.
+
+        Then nothing may read device values on the host (a synchronisation, which
+        capture refuses): checks of values (``kv_len`` in range) are left out of a
+        captured step; the Triton kernel clamps lengths to ``[0, T]``, so no key past the
+        shard is read.
+        """
+        return x.device.type == "cuda" and self.t.cuda.is_current_stream_capturing()
+
     def host_layout(self, x):
         """Return (data address, shape, strides in elements) of a CPU tensor, or None.
 
@@ -411,9 +429,16 @@ class Torch:
         """
         return False
 
-    def kernel_output(self, records, like):
-        """Return ``n / d`` of host records from a selected device kernel, or None (none here)."""
+    def kernel_output(self, records, like, out=None):
+        """Return ``n / d`` of host records from a selected device kernel, or None (none here).
+
+        ``out``, when given, is written in place and returned.
+        """
         return None
+
+    def host_records(self, records):
+        """Return host records as merged: as they are here (a device kernel may hold them)."""
+        return records
 
     def refuse_gradient(self, outputs, inputs):
         """Tie ``outputs`` to the graph of ``inputs`` needing grad, with a backward that raises.

@@ -164,14 +164,16 @@ def lse_of(records, base="e", dtype=np.float32):
     return lse.astype(dtype, copy=False)
 
 
-def finish(records, like, return_lse=False, layout="bhsd", inputs=()):
+def finish(records, like, return_lse=False, layout="bhsd", inputs=(), out=None):
     """Turn merged host records ``(B, Hq, Sq, D + 2)`` into ``like``'s framework and dtype.
 
     Returns the output in ``like``'s dtype and device: ``(B, Hq, Sq, D)`` with
     ``layout="bhsd"``, or ``(B, Sq, Hq, D)`` in C order with ``layout="bshd"``
     (what transformers' attention functions return; float32 records go through
     the compiled library in one pass). With ``return_lse``, also the lse
-    ``(B, Hq, Sq)``, float32, natural log. The records are not aliased.
+    ``(B, Hq, Sq)``, float32, natural log. The records are not aliased. With
+    ``out`` (an array of ``like``'s framework, dtype, device and the output's
+    shape, checked by the caller), the output is written into it and it is returned.
 
     ``inputs`` are the arrays the records were computed from (q, k, v): the one
     place where gradients are refused. If any is a torch tensor that requires grad
@@ -184,25 +186,31 @@ def finish(records, like, return_lse=False, layout="bhsd", inputs=()):
     if layout == "bshd":
         if records.ndim != 4:
             raise ValueError(f"layout='bshd' needs (B, Hq, Sq, D + 2) records, got {records.shape}")
-        out = _output_bshd(records)
+        result = _output_bshd(records)
         if ns.name == "numpy" and host_dtype is not None:
-            out = out.astype(host_dtype, copy=False)
+            result = result.astype(host_dtype, copy=False)
     elif layout == "bhsd" and host_dtype == np.float32 and ns.name == "numpy":
-        out = _output_bhsd(records)
+        result = _output_bhsd(records)
     elif layout == "bhsd" and ns.name != "numpy":
-        out = ns.kernel_output(records, like)  # a device kernel MPITREE_KERNEL selects, or None
-        if out is None:
-            out = output_of(records)
+        if return_lse:  # the lse is finished on the host: records a device kernel holds come down
+            records = ns.host_records(records)
+        result = ns.kernel_output(records, like, out)  # a device kernel MPITREE_KERNEL selects
+        if result is None:
+            records = ns.host_records(records)
+            result = output_of(records)
     elif layout == "bhsd":
-        out = output_of(records, host_dtype)
+        result = output_of(records, host_dtype)
     else:
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
-    if ns.name != "numpy" and type(out) is np.ndarray:  # not yet on like's device
-        out = ns.astype(ns.from_numpy(out, like), name)
+    if ns.name != "numpy" and type(result) is np.ndarray:  # not yet on like's device
+        result = ns.astype(ns.from_numpy(result, like), name)
+    if out is not None and result is not out:
+        out[...] = result
+        result = out
     if not return_lse:
-        return ns.refuse_gradient((out,), inputs)[0] if inputs else out
+        return ns.refuse_gradient((result,), inputs)[0] if inputs else result
     lse = lse_of(records)
-    results = (out, lse if ns.name == "numpy" else ns.from_numpy(lse, like))
+    results = (result, lse if ns.name == "numpy" else ns.from_numpy(lse, like))
     return ns.refuse_gradient(results, inputs) if inputs else results
 
 
