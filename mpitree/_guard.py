@@ -350,17 +350,16 @@ def agree(comm, prepare):
     if error is None and buf == sent:
         call.native, call.sent = bool(enc.native), sent  # every rank sent the same
         return call
-    return settle(comm, entry, call, enc, error, buf)
+    return settle(comm, entry, call, error, buf)
 
 
-def settle(comm, entry, call, enc, error, got):
+def settle(comm, entry, call, error, got):
     """Finish an agreement whose result ``got`` is not this rank's vector; return the call.
 
     Collective where a rank failed or ranks disagree (every rank learns so from
     ``got``): raises on every rank as :func:`agree` does, naming the fields from
-    ``entry`` and ``call`` (:func:`_fields`; ``enc``, the call's encoding, is not
-    needed there). Otherwise only the native-op fact differs: ``call.native``
-    is set to the agreed one.
+    ``entry`` and ``call`` (:func:`_fields`). Otherwise only the native-op fact
+    differs: ``call.native`` is set to the agreed one.
     """
     verdict, native, low, negated = _VECTOR.unpack(got)
     if verdict != _OK:

@@ -50,7 +50,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ._agreed import agreed_merger, kept
-from ._guard import _VECTOR, Call, _encoding, _entry, settle
+from ._guard import _VECTOR, Call, _entry, settle
 from ._kernel import native_kernel_available
 from ._library import (
     AttnArgs,
@@ -511,7 +511,7 @@ class Step:
             return None
         got = settle_code(code, merger.comm, compiled.struct)
         call = dataclasses.replace(self.call)
-        call = settle(self.comm, self.entry, call, _encoding(self.entry, call), None, got)
+        call = settle(self.comm, self.entry, call, None, got)
         return merged(call)
 
     def decoded(self, call, q, k, v):

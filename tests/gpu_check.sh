@@ -43,8 +43,8 @@ EOF
 status=0
 echo "== cuda-marked tests, 1, 2 and 3 ranks"
 timeout 270 $py tests/run.py --nprocs 1,2,3 --leg-timeout 150 -k "${SELECT:-cuda}" \
-    tests/test_cuda_mpi.py tests/test_torch_adapter_mpi.py tests/test_cupy_adapter_mpi.py \
-    tests/test_flash_attn_adapter_mpi.py tests/test_triton_kernel.py tests/test_triton_mpi.py \
+    tests/test_cuda_mpi.py tests/test_torch_mpi.py tests/test_cupy_mpi.py \
+    tests/test_flash_attn_mpi.py tests/test_triton_decode.py tests/test_triton_mpi.py \
     tests/test_device_node_mpi.py tests/test_nccl_mpi.py tests/test_plan_graph_mpi.py \
     >"$OUT/tests.log" 2>&1 || status=1
 grep -E "^(FAILED|ERROR)|^E  |mpitree tests:" "$OUT/tests.log" | cut -c1-400 | head -60

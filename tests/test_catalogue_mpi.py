@@ -320,7 +320,7 @@ def flash_attn_cases():
 
 
 def jax_cases():
-    """mpitree.adapters.jax.tree_decode, eagerly (inside jax.jit: tests/test_jax_adapter_mpi.py)."""
+    """mpitree.adapters.jax.tree_decode, eagerly (inside jax.jit: tests/test_jax_mpi.py)."""
     import jax.numpy as jnp
 
     def call(bad, **change):

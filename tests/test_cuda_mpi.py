@@ -13,8 +13,8 @@ import pytest
 import torch
 from helpers import make_problem, world
 from numpy.testing import assert_allclose
-from test_torch_adapter_mpi import CASES, DTYPES, STRATEGIES
-from test_torch_adapter_mpi import run as run_torch
+from test_torch_mpi import CASES, DTYPES, STRATEGIES
+from test_torch_mpi import run as run_torch
 
 import mpitree
 from mpitree._namespace import namespace
@@ -36,7 +36,7 @@ def test_torch_cuda_matches_reference(strategy, dtype_name, case):
 def test_real_cupy_matches_reference(strategy, dtype):
     cupy = pytest.importorskip("cupy")
     from mpitree.adapters import cupy as adapter
-    from test_cupy_adapter_mpi import run as run_cupy
+    from test_cupy_mpi import run as run_cupy
 
     out = run_cupy(adapter, strategy, dtype)
     assert out.device.id == cupy.cuda.Device().id

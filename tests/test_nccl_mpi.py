@@ -18,8 +18,8 @@ from device_merge import DeviceTensor
 from helpers import gathered_identical, make_problem, world
 from mpi4py import MPI
 from numpy.testing import assert_allclose
-from test_node_strategy_mpi import records, same_bits
-from test_triton_kernel import CUDA  # sets TRITON_INTERPRET=1 without a GPU
+from test_node_mpi import records, same_bits
+from test_triton_decode import CUDA  # sets TRITON_INTERPRET=1 without a GPU
 
 import mpitree
 from mpitree import _buffers

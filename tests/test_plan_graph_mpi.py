@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import make_problem, world
 from numpy.testing import assert_allclose
-from test_triton_kernel import (
+from test_triton_decode import (
     DEVICES,
     DTYPES,
     adapter,

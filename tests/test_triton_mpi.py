@@ -3,7 +3,7 @@
 Uneven and empty shards, GQA, causal positions, per-head masks with ragged lengths,
 garbage past ``kv_len``, in every dtype the kernel takes; checked against the float64
 reference over the concatenated cache. CPU tensors run under Triton's interpreter
-(``test_triton_kernel`` sets ``TRITON_INTERPRET=1`` where no GPU is); the
+(``test_triton_decode`` sets ``TRITON_INTERPRET=1`` where no GPU is); the
 ``cuda``-marked cases run the compiled kernel where one is.
 """
 
@@ -13,7 +13,7 @@ import torch
 from helpers import make_problem, world
 from numpy.testing import assert_allclose
 from test_buffers_mpi import device_strategy  # noqa: F401  (a fixture)
-from test_triton_kernel import (
+from test_triton_decode import (
     DEVICES,
     DTYPES,
     rounded,
@@ -86,7 +86,7 @@ def test_records_land_in_a_device_kinds_buffer(device_strategy, triton_selected,
     writes are the merger's buffer (tests/device_merge.py's CPU-tensor kind stands
     in for device memory).
     """
-    from test_triton_kernel import kernel
+    from test_triton_decode import kernel
 
     written, records = [], kernel.decode_records
     monkeypatch.setattr(
