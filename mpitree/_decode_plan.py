@@ -296,7 +296,12 @@ class DecodePlan:
         return invariant_pieces(att, opts.block_size, kv_start, kv_blocks, self.problem.acc)
 
     def free(self) -> None:
-        """Release the plan's MPI request (buffers go with the object)."""
+        """Release the plan's MPI request (buffers go with the object); collective.
+
+        Call it on every rank of the plan's communicator, as its construction was:
+        a freed plan still decodes, with a blocking all-reduce in place of its
+        persistent one, and those two do not match each other across ranks.
+        """
         if self._merger is not None:
             self._merger.free()
 

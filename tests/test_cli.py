@@ -234,7 +234,7 @@ def test_merge_names_the_op_it_runs():
     args = [PY, "-m", "mpitree", "merge", "--iters", "3", "--warmup", "1", "--rows", "4"]
     res = run(2, args, env={"MPITREE_NATIVE_OP": "0"}, timeout=60)
     assert_clean(res, "merge without the native op")
-    assert "native op: False" in res.stdout.splitlines()[0], res.stdout
+    assert "native op: on 0 of 2 ranks;" in res.stdout.splitlines()[0], res.stdout
     rows = [line[:34].rstrip() for line in res.stdout.splitlines()[2:-1]]
     want = [row.replace("native op", "numpy op") for row in MERGE_ROWS]
     assert rows == want, res.stdout

@@ -12,6 +12,7 @@ import torch
 import transformers
 from helpers import counting, world
 from models import VOCAB, float64_logits, greedy, positions, prompt, tiny_llama, tiny_mistral
+from mpi4py import MPI
 from mpitree.adapters.transformers import _cache, _prefill
 from numpy.testing import assert_allclose
 
@@ -580,6 +581,37 @@ def test_a_sharded_cache_under_another_attention_raises_on_every_rank(layers):
     with torch.no_grad():
         want = model(ids).logits
     assert_allclose(torch.cat(got, 1).numpy(), want.numpy(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("with_config", [True, False])
+def test_a_cache_reset_on_one_rank_after_another_attention_raises_on_every_rank(with_config):
+    """After sdpa's error, a reset on rank 0 alone: rank 0's cache is clean, the others'
+    still hold the unattended step. Under mpitree's attention the next forward raises on
+    every rank (the others' verdict rides in the step's agreement), never a hang; reset on
+    every rank, it is exact."""
+    model = tiny_llama(2)
+    ids, _ = prompt(9, False)
+    cache = mtt.ShardedCache(model.config if with_config else None, block_size=4)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad(), pytest.raises(ValueError, match="without mpitree's attention"):
+        model(ids, cache=cache)
+    model.set_attn_implementation("mpitree")
+    if MPI.COMM_WORLD.rank == 0:
+        cache.reset()
+    with torch.no_grad(), pytest.raises(Exception) as info:
+        model(ids, cache=cache)
+    if MPI.COMM_WORLD.rank:
+        assert "without mpitree's attention" in str(info.value)
+    else:
+        assert isinstance(info.value, RankError), info.value
+    cache.reset()
+    with torch.no_grad():
+        got = model(ids, cache=cache).logits
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = model(ids).logits
+    assert_allclose(got.numpy(), want.numpy(), atol=1e-5, rtol=0)
 
 
 NO_TORCH = "raise ImportError('torch is not installed here')\n"

@@ -84,6 +84,12 @@ class Sharding:
     # the next update: mpitree's attention agrees on that step (Step.signature) before it,
     # another attention never does (see ShardedCache.update)
     handed: Step | None = None
+    # that step went unattended and a new one began (a forward that failed between an update
+    # and its attention, or a one-layer model under another attention): every update raises
+    # it inside mpitree's guard (View.error) until the cache is reset
+    unattended: bool = False
+    # the model's config given to ShardedCache (None if none): its attention implementation
+    config: object = None
     layers: int = 0  # the cache's layer count: a step's outputs are allocated together
     # a digest of the cache's batch operations and crops since it was made or reset, with
     # their arguments: agreed at each step, so a rank that ran one alone raises on every rank
@@ -324,6 +330,12 @@ def _unattended():
     )
 
 
+def _other_attention(config):
+    """Whether ``config`` (a model's, or None) names an attention other than mpitree's."""
+    name = getattr(config, "_attn_implementation", None)
+    return isinstance(name, str) and name != "mpitree"
+
+
 def _prefix_of(x, buffer):
     """Whether ``x`` is ``buffer[:, :, :n]`` for some n (not another view, e.g. of fewer rows)."""
     return (
@@ -392,6 +404,8 @@ class ShardedLayer(CacheLayerMixin):
         that own the new tokens.
         """
         try:
+            if self.sharding.unattended:
+                raise _unattended()
             self._join_step()
             view = self._update(key_states, value_states)
         except Exception as exc:  # a sharded prefill keeps its path: the layer flag carries it
@@ -671,6 +685,7 @@ class ShardedCache(Cache):
         self.sharding = Sharding(comm, placement, size, opts.strategy, opts.deterministic)
         super().__init__(layers=[ShardedLayer(self.sharding) for _ in range(layers)])
         self.sharding.layers = layers
+        self.sharding.config = config
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Store this rank's share of the new K/V for ``layer_idx``; return the shard.
@@ -682,13 +697,24 @@ class ShardedCache(Cache):
             (as transformers' models pass them: ``kwargs=kwargs``) and no mpitree
             attention call has agreed on that update's step since: the model's
             attention is not mpitree's (``"sdpa"``, ``"eager"``), which attends each
-            rank's own shard only. Raised before this update stores anything, on
-            every rank alike (each runs the same model), with no communication.
+            rank's own shard only. Raised before this update stores anything, with
+            no communication, where every rank knows it alike: the update is that
+            forward's next layer, or the model's config (given to the cache) names
+            another attention. Otherwise (the last forward stopped between an update
+            and its attention, e.g. a reset on one rank only) every update carries
+            the error into mpitree's attention, whose agreement raises it on every
+            rank, until :meth:`reset`.
         """
-        handed = self.sharding.handed
+        sharding = self.sharding
+        handed = sharding.handed
         if handed is not None and handed.signature is None:
-            raise _unattended()
-        self.sharding.begin(layer_idx)  # a new model step unless layer_idx increases
+            if layer_idx > handed.index and handed is sharding.step:
+                raise _unattended()  # this forward's last layer: every rank is here alike
+            if _other_attention(sharding.config):
+                raise _unattended()  # the model's config says so: every rank's alike
+            # else a rank's state alone (a reset on one rank) may say so: the guard decides
+            sharding.unattended, sharding.handed = True, None
+        sharding.begin(layer_idx)  # a new model step unless layer_idx increases
         if self.sharding.captured is not None:
             self.sharding.captured.append((key_states, value_states))
         while len(self.layers) <= layer_idx:
@@ -714,6 +740,7 @@ class ShardedCache(Cache):
         self.sharding.edits = 0
         self.sharding.step = Step(-1)
         self.sharding.handed = None
+        self.sharding.unattended = False
 
     def reorder_cache(self, beam_idx):
         """Reorder the batch rows of every layer's shard as ``beam_idx`` says (beam search)."""

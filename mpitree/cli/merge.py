@@ -55,7 +55,7 @@ def ops_run(comm):
     have = sum(comm.allgather(native_op_available()))
     size = comm.Get_size()
     op = "native" if have == size else "numpy" if have == 0 else "mixed"
-    return op, (have == size if op != "mixed" else f"on {have} of {size} ranks")
+    return op, f"on {have} of {size} ranks"
 
 
 def run(args):
