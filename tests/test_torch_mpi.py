@@ -7,6 +7,8 @@ from helpers import make_problem, world
 from mpitree.adapters import torch as mt
 from numpy.testing import assert_allclose
 
+from mpitree import tree_decode
+
 STRATEGIES = ["allreduce", "allreduce3", "allgather", "ring", "hierarchical", "auto"]
 DTYPES = {
     "float32": (torch.float32, 2e-5),
@@ -89,3 +91,28 @@ def test_local_state_records_and_cuda_aware_override(monkeypatch):
 @pytest.mark.parametrize("strategy", ["allreduce", "ring"])
 def test_torch_cuda_staged_matches_reference(strategy):
     run(strategy, "bfloat16", "gqa", [6], device="cuda")
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_disagreement_names_each_field_once():
+    """The message names each differing field by its name, once, with each rank's value,
+    even where ranks' signatures have different fields (torch arrays add buffer, staging)."""
+    rank, last = world().rank, world().size - 1
+    rng = np.random.default_rng(0)
+    d = 16 if rank == last else 8
+    q = rng.standard_normal((2, 4, 1, d)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 5, d)).astype(np.float32)
+    v = k.copy()
+    if rank == last:
+        q, k, v = (torch.from_numpy(a) for a in (q, k, v))
+    with pytest.raises(ValueError) as info:
+        tree_decode(q, k, v, strategy="allreduce")
+    message = str(info.value)
+    assert message.startswith("mpitree: ranks disagree on head_dim, scale, buffer, staging ("), (
+        message
+    )
+    others = "rank 0 has" if last == 1 else f"ranks 0-{last - 1} have"
+    assert f"head_dim: {others} 8, rank {last} has 16;" in message, message
+    assert f"buffer: {others} no buffer, rank {last} has 'host';" in message, message
+    assert f"staging: {others} no staging, rank {last} has ('torch', 'cpu'))" in message, message
+    assert "field " not in message and message.count("head_dim") == 2, message
