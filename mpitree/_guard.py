@@ -122,7 +122,9 @@ def check_comm(comm):
     ``TypeError`` locally, on the ranks that passed it).
     """
     comm = default_comm() if comm is None else comm
-    if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+    if isinstance(comm, MPI.Intracomm) and comm == MPI.COMM_NULL:
+        raise TypeError("comm is MPI.COMM_NULL (freed, or never made): no live intracommunicator")
+    if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm must be an mpi4py intracommunicator, got {comm!r}")
     return comm
 

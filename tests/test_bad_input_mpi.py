@@ -100,6 +100,16 @@ def test_not_an_intracommunicator(comm):
         mpitree.tree_decode(q, k, v, comm)
 
 
+@pytest.mark.parallel(nprocs=[1, 2])
+def test_a_freed_communicator_is_named_so():
+    """A communicator freed since (mpi4py sets it to COMM_NULL) is named for what it is."""
+    comm = world().Dup()
+    comm.Free()
+    q, k, v = arrays()
+    with pytest.raises(TypeError, match=r"comm is MPI.COMM_NULL \(freed, or never made\)"):
+        mpitree.tree_decode(q, k, v, comm)
+
+
 @pytest.mark.parallel(nprocs=[2, 3])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_plan_step_error_reaches_every_rank_and_plan_recovers(strategy):
