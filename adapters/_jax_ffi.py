@@ -256,7 +256,7 @@ def _merge_handler(address):
     try:
         records, flag, key = (_view(frame.args.items[i]) for i in range(3))
         out = _view(frame.rets.items[0])
-        out[...] = _hosts[int(key)](records, flag)
+        _hosts[int(key)](records, flag, out)
     except BaseException as exc:  # an exception escaping a ctypes callback is lost
         try:
             text = f"{type(exc).__name__}: {exc}"
@@ -306,7 +306,8 @@ def _merge_now(records, flag, *, host):
     jax.effects_barrier()
     records, flag = np.asarray(records), np.asarray(flag)
     _eager.count = merges_run() + 1  # the collective is entered: it settles on every rank
-    merged = host(records, flag)
+    merged = np.empty(records.shape, records.dtype)
+    host(records, flag, merged)
     if isinstance(records, jax.Array) and records.committed:  # back where the records were
         return jax.device_put(merged, records.sharding)
     return jnp.asarray(merged)
@@ -373,15 +374,16 @@ if "_CALLBACKS" not in globals():  # a reload keeps XLA's registrations and the 
 
 
 def merge(host, records, flag):
-    """Return ``host(records, flag)``, run by the ordered merge call when the program runs.
+    """Return the records ``host(records, flag, out)`` writes, run by the ordered merge call.
 
     ``records`` float32 or float64, any shape; ``flag`` int32 scalar; ``host``
-    returns the merged records (a numpy array of ``records``' shape) or raises,
-    alike on every rank. Traced, it is a custom call in program order among
-    the program's merges (lowered once per compilation; the compiled program
-    keeps ``host``); outside a program it runs ``host`` at once, after the
-    merges already dispatched. Not batched, differentiated or transposed: the
-    adapter's ``custom_vmap`` and ``custom_vjp`` wrap it.
+    writes the merged records into ``out`` (a C-order numpy array of ``records``'
+    shape and dtype: the call's result buffer) or raises, alike on every rank.
+    Traced, it is a custom call in program order among the program's merges
+    (lowered once per compilation; the compiled program keeps ``host``); outside
+    a program it runs ``host`` at once, after the merges already dispatched.
+    Not batched, differentiated or transposed: the adapter's ``custom_vmap`` and
+    ``custom_vjp`` wrap it.
     """
     return _merge_p.bind(records, flag, host=host)
 

@@ -94,8 +94,18 @@ class _Step:
         p, o = self.problem, self.opts
         sig = {"phase": phase, "vmap": self.folds, **dict(self.extra)}
         sig.update(p.signature(), **o.signature())
-        key = (phase, self.folds, self.extra, p, o, o.scale.hex())
-        return extend.Call(sig, key=key, merge=(p.rows, p.head_dim, p.acc, o))
+        return extend.Call(sig, key=self.key(phase), merge=(p.rows, p.head_dim, p.acc, o))
+
+    def key(self, phase, flag=0):
+        """Return what ``phase``'s agreed call depends on; None where it raises (``flag`` set)."""
+        if self.error is not None or flag:
+            return None
+        keys = self.__dict__.setdefault("_keys", {})  # per phase, made once: the lane's lookup
+        key = keys.get(phase)
+        if key is None:
+            p, o = self.problem, self.opts
+            key = keys[phase] = (phase, self.folds, self.extra, p, o, o.scale.hex())
+        return key
 
     def folded(self, size):
         """Return this step with a vmapped axis of ``size`` folded into the batch."""
@@ -107,21 +117,32 @@ class _Step:
         return dataclasses.replace(self, problem=problem, error=error, folds=(*self.folds, size))
 
 
-@extend.entry_point
-def _host_step(step, phase, records, flag):
-    """Run one call's collectives on the host: agree on ``step``, merge ``records``.
+_MERGES = extend.RecordsMerge(f"{__name__}._host_step")  # the host step's merge and its lane
+
+
+def _host_lane(step, phase, records, flag, out):
+    """:func:`_host_step`'s lane: a recurring merge's bound step in one compiled call, or None."""
+    try:
+        key = step.key(phase, int(flag))
+    except Exception:  # nothing has communicated: the guarded host step decides
+        return None
+    return None if key is None else _MERGES.lane(step.comm, key, records, out)
+
+
+@extend.entry_point(lane=_host_lane)
+def _host_step(step, phase, records, flag, out):
+    """Run one call's collectives on the host: agree on ``step``, merge ``records`` into ``out``.
 
     ``phase`` "forward" merges ``(B, Hq, Sq, D + 2)`` states; "backward" sums
     the query's gradient, laid out as records whose ``m`` is 0 (the merge's
-    weights are then 1). Returns the merged records, a new array.
+    weights are then 1). ``out``, of ``records``' shape and dtype, may be
+    ``records``. A call that recurs (the same step and phase, records of the
+    same shape) runs through :func:`_host_lane` as one compiled call.
     """
-    comm = step.comm
-    _call, merger = extend.agree_merger(comm, lambda: step.call(phase, int(np.asarray(flag))))
-
-    def fill(out):
-        out[...] = np.asarray(records).reshape(out.shape)
-
-    return merger.merge(fill).reshape(np.shape(records)).copy()
+    comm, flag = step.comm, int(np.asarray(flag))
+    key = step.key(phase, flag)
+    records = np.asarray(records)
+    return _MERGES.merge(comm, comm, key, records, lambda: step.call(phase, flag), out)
 
 
 def _traced(*xs):

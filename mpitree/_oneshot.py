@@ -15,14 +15,16 @@ from ._invariant_step import _placement_unused, invariant_signature
 from ._library import address
 from ._namespace import Array
 from ._options import INVARIANT, Options, dtype_name
+from ._records import RecordsMerge
 from ._registry import REGISTRY
 from ._runtime import limit_blas_threads
 from ._state import State, finish, trusted_state
 from ._step import KernelSlot, _layout, prepare_attention
-from ._steps import STEPS, Layout, merged_state, options_key, remember
+from ._steps import STEPS, Layout, options_key, remember
 
 # the entry points' own names: a step's compiled form is bound only from an outermost call
 _DECODE_ENTRY, _STATE_ENTRY = f"{__name__}.tree_decode", f"{__name__}.allreduce_state"
+_STATES = RecordsMerge(_STATE_ENTRY)  # allreduce_state's merge: its guarded call and its lane
 
 
 def _staged(x):
@@ -87,21 +89,11 @@ def _decode_step(
 
 def _state_step(state, comm=None, strategy="auto", *, deterministic=False, node_size=None):
     """``allreduce_state``'s lane: its bound :class:`Step` in one compiled call; else None."""
-    if not STEPS:
+    if not STEPS or type(state) is not State:
         return None
-    try:
-        records = state.records if type(state) is State else None
-        options = options_key(strategy, None, deterministic, node_size)
-        step = STEPS.get((_STATE_ENTRY, id(comm), options, records.shape, records.dtype))
-        merger = None if step is None else step.open(comm)
-        if merger is None or type(records) is not np.ndarray or not records.flags.c_contiguous:
-            return None
-        out = np.empty(records.shape, np.float32)
-        step.compiled.struct.source, target = address(records), address(out)
-    except Exception:  # nothing has communicated: the guarded path decides
-        return None
-    settled = step.finish(merger, target, lambda call: step.state(call, records))
-    return trusted_state(out) if settled is None else settled
+    options = options_key(strategy, None, deterministic, node_size)
+    out = _STATES.lane(comm, options, state.records)
+    return None if out is None else trusted_state(out)
 
 
 @entry_point(lane=_decode_step)
@@ -263,14 +255,6 @@ def _keep_decode(layout, call, comm_arg, comm, merger, return_lse):
         step.bind(call, comm_arg, comm, merger, entry)
 
 
-def _keep_state(layout, call, comm_arg, comm, merger):
-    """After a guarded ``allreduce_state`` of ``layout``: its :class:`Step`, bound where it may."""
-    step = remember(layout, call)
-    entry = current_entry()
-    if step is not None and entry == _STATE_ENTRY:
-        step.bind(call, comm_arg, comm, merger, entry)
-
-
 @entry_point(lane=_state_step)
 def allreduce_state(
     state: State,
@@ -299,17 +283,10 @@ def allreduce_state(
         A new state with the same row shape and dtype.
     """
     comm_arg, comm = comm, check_comm(comm)
-
-    key, layout = options_key(strategy, None, deterministic, node_size), None
-    if type(state) is State and key is not None:
-        records = state.records
-        layout = Layout(_STATE_ENTRY, id(comm_arg), key, records.shape, records.dtype)
+    records = state.records if isinstance(state, State) else None
+    key = options_key(strategy, None, deterministic, node_size) if type(state) is State else None
 
     def prepare():
-        if layout is not None:
-            found = STEPS.get(layout)
-            if found is not None:
-                return found.prepare()
         if not isinstance(state, State):
             raise TypeError(f"state must be an mpitree.State, got {type(state).__name__}")
         opts = Options.resolve(state.head_dim, strategy, None, deterministic, node_size)
@@ -319,10 +296,7 @@ def allreduce_state(
         sig = {"rows": tuple(state.shape), "head_dim": state.head_dim, "dtype": acc}
         sig.update(opts.signature())
         merge = (math.prod(state.shape), state.head_dim, acc, opts)
-        return Call(sig, None, key=layout, merge=merge)
+        encoding = None if key is None else (key, records.shape, records.dtype)
+        return Call(sig, None, key=encoding, merge=merge)
 
-    call, merger = agree_merger(comm, prepare)
-    result = merged_state(merger, call.merge[0], state.records)
-    if layout is not None:
-        _keep_state(layout, call, comm_arg, comm, merger)
-    return result
+    return trusted_state(_STATES.merge(comm_arg, comm, key, records, prepare))

@@ -65,7 +65,7 @@ from ._library import (
 from ._options import INVARIANT, NODE_SIZE_ENV
 from ._registry import needs_kv
 from ._runtime import mpi_calls
-from ._state import finish, trusted_state
+from ._state import finish
 from ._step import KernelSlot, local_attention, validated
 from ._step_code import settle_code
 from ._traffic import hook, traffic
@@ -520,18 +520,25 @@ class Step:
         records = merger.merge(functools.partial(self.kernel.run_unheld, q, k, v))
         return finish(records.reshape(*self.rows, -1), q)
 
-    def state(self, call, records):
-        """``allreduce_state``'s result after an agreement that settled."""
-        return merged_state(agreed_merger(self.comm, call), call.merge[0], records)
+    def merged(self, call, records, out):
+        """Return a records merge's result after an agreement that settled."""
+        return merged_records(agreed_merger(self.comm, call), call.merge[0], records, out)
 
 
-def merged_state(merger, rows, records):
-    """Return a new :class:`State` of ``records`` ``(..., D + 2)`` merged by ``merger``."""
+def merged_records(merger, rows, records, out):
+    """Merge ready ``records`` ``(..., D + 2)`` by ``merger``; return them in ``out``.
 
-    def fill(out):
-        out[...] = records.reshape(rows, records.shape[-1])
+    ``out`` is an array of ``records``' shape to write into, or None for a new one.
+    """
 
-    return trusted_state(merger.merge(fill).reshape(records.shape).copy())
+    def fill(buf):
+        buf[...] = records.reshape(rows, records.shape[-1])
+
+    merged = merger.merge(fill).reshape(records.shape)
+    if out is None:
+        return merged.copy()
+    out[...] = merged
+    return out
 
 
 # ---------------------------------------------------------------------- the memo

@@ -1,6 +1,6 @@
 """The extension API: the guarded path for adapters, and what benchmarks measure with.
 
-Thirteen names, stable within a minor version; everything else of the core is
+Fourteen names, stable within a minor version; everything else of the core is
 private and free to change.
 
 An adapter that brings its own local attention (a fused kernel, another cache
@@ -42,6 +42,16 @@ The adapter's recipe:
   that merges nothing (``merge=None``) needs only :func:`agree`.
 - :func:`finish` turns the merged records into the output (and the lse).
 
+An adapter whose records are ready before it communicates (its own kernel wrote
+them, as the JAX adapter's does) merges them with a :class:`RecordsMerge`, as
+:func:`mpitree.allreduce_state` does: ``merge(comm_arg, comm, key, records,
+prepare)`` is the guarded call inside its entry point, and a call that recurs
+with the same ``key`` (what ``prepare()``'s call depends on besides the records'
+shape and dtype) runs, through the entry point's lane
+(``@entry_point(lane=...)`` calling ``lane(comm_arg, key, records)``), as one
+compiled call: the same agreement, the records copied in, the merge, and the
+records copied out.
+
 A rank's exception is raised there and :class:`mpitree.RankError` on the other
 ranks. Sharded prefill, where each rank holds other queries, has two collectives
 of its own: :func:`allgather_rows` hands every rank every rank's rows (in a
@@ -74,6 +84,7 @@ from ._kernel import (
 from ._merger import Merger, merger_for
 from ._options import Options
 from ._prefill_collectives import allgather_rows
+from ._records import RecordsMerge
 from ._state import finish
 from ._step import prepare_attention
 from ._timers import phase_times
@@ -133,6 +144,7 @@ __all__ = [
     "Call",
     "Options",
     "Problem",
+    "RecordsMerge",
     "agree",
     "agree_merger",
     "allgather_rows",

@@ -138,3 +138,32 @@ def counting(monkeypatch, cache=None):
         if layer.fast is not None and layer.fast.bound.merger is not None:
             count(layer.fast.bound)
     return runs
+
+
+def counted_lane_calls(monkeypatch, local):
+    """Count the lanes' compiled steps whose records come ``local`` ways, from no lane kept."""
+    _steps.STEPS.clear()
+    _steps._seen.clear()
+    calls, bind = [], _steps.bind_call
+
+    def counted(fn, args, keep=()):  # a lane kept from now on takes the counting step
+        step = bind(fn, args, keep)
+
+        def run(out):
+            if args.local == local:
+                calls.append(1)
+            return step(out)
+
+        return run
+
+    monkeypatch.setattr(_steps, "bind_call", counted)
+    return calls
+
+
+def lane_expected(comm=None):
+    """Whether a recurring float32 ``allreduce_state`` on ``comm`` can take its lane here."""
+    from mpitree._library import native_lib
+    from mpitree._strategies.allreduce import _PERSISTENT_OK
+
+    size = (comm or world()).Get_size()
+    return native_lib() is not None and (_PERSISTENT_OK or size == 1)

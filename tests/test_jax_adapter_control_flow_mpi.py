@@ -144,7 +144,7 @@ def test_merges_keep_their_place_among_ordered_callbacks():
 
     compiled = jax.jit(program).lower(q, k, v).compile()
     merges = hosts[-2:]  # the program's two merges, just lowered: note when each runs
-    hosts[-2:] = [lambda r, f, h=h: (seen.append("merge"), h(r, f))[1] for h in merges]
+    hosts[-2:] = [lambda r, f, o, h=h: (seen.append("merge"), h(r, f, o))[1] for h in merges]
     try:
         first, total, second = jax.block_until_ready(compiled(q, k, v))
     finally:

@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import make_problem, world
+from helpers import counted_lane_calls, lane_expected, make_problem, world
 from numpy.testing import assert_allclose
 
 import mpitree
+from mpitree._library import StepLocal
 
 jax.config.update("jax_enable_x64", True)  # float64 inputs and the float64 gradient reference
 
@@ -243,6 +244,49 @@ def test_decode_loop_compiles_once():
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert len(traces) == 1 and step._cache_size() == 1 and len(compiles) == 1, compiles
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3, 4])
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_a_recurring_merge_is_one_compiled_call_exactly(jit, monkeypatch):
+    """From its second call on, a step's merge runs as the core's one compiled step
+    (the agreement, the records copied in, the merge, copied out): the same bits as
+    its guarded calls, exact against the reference over ragged and empty shards."""
+    calls = counted_lane_calls(monkeypatch, StepLocal.COPY)
+    prob = make_problem(9, sizes(), q_heads=8, kv_heads=2, kv_len=True)
+    k, v, kw = prob.shard(world().rank)
+    decode = jax.jit(mj.tree_decode) if jit else mj.tree_decode
+    args = [jnp.asarray(x) for x in (prob.q, k, v)]
+    outs = [np.asarray(decode(*args, **jax_kwargs(kw))) for _ in range(5)]
+    assert_allclose(outs[0], prob.reference()[0], atol=2e-5, rtol=0)
+    for out in outs[1:]:
+        assert np.array_equal(out, outs[0])
+    assert len(calls) == (3 if lane_expected() else 0)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+def test_a_failing_rank_after_the_merge_recurred_raises_on_every_rank(monkeypatch):
+    """The last rank's kv_len is out of range (checked in the program) after the merge
+    became one compiled call on every rank: every rank raises, and the next call works."""
+    calls = counted_lane_calls(monkeypatch, StepLocal.COPY)
+    comm = world()
+    prob = make_problem(1, [4] * comm.size)
+    k, v, _ = prob.shard(comm.rank)
+    step = jax.jit(lambda q, k, v, n: mj.tree_decode(q, k, v, kv_len=n))
+    args = [jnp.asarray(x) for x in (prob.q, k, v)]
+    good = jnp.asarray(np.array([4, 4]))
+    for _ in range(3):
+        out = step(*args, good)
+    bad = np.array([4, 9]) if comm.rank == comm.size - 1 else np.array([4, 4])
+    with pytest.raises(jax.errors.JaxRuntimeError) as info:
+        step(*args, jnp.asarray(bad)).block_until_ready()
+    last = str(info.value).strip().splitlines()[-1]
+    if comm.rank == comm.size - 1:
+        assert last.startswith("ValueError: kv_len must lie in [0, 4]"), last
+    else:
+        assert last.startswith(f"RankError: mpitree: invalid input on rank {comm.size - 1}"), last
+    assert np.array_equal(np.asarray(step(*args, good)), np.asarray(out))
+    assert len(calls) == (1 + (comm.rank != comm.size - 1) + 1 if lane_expected() else 0)
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
@@ -661,10 +705,10 @@ def test_a_failed_merge_leaves_the_next_program_working():
     the old error at once, and on other ranks, entering the merge, that was a hang)."""
     state = {"fail": True}
 
-    def host(records, flag):
+    def host(records, flag, out):
         if state["fail"]:
             raise ValueError("boom")
-        return np.asarray(records) + 1
+        out[...] = np.asarray(records) + 1
 
     def body(x):
         for _ in range(20):  # big enough to be dispatched asynchronously

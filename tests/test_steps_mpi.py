@@ -6,7 +6,7 @@ import weakref
 
 import numpy as np
 import pytest
-from helpers import world
+from helpers import counted_lane_calls, lane_expected, world
 from numpy.testing import assert_allclose
 
 import mpitree
@@ -271,37 +271,6 @@ def lane_calls(monkeypatch):
 def decode_lane_calls(monkeypatch):
     """Count ``tree_decode``'s lane calls on this rank, from no lane kept."""
     return counted_lane_calls(monkeypatch, StepLocal.KERNEL)
-
-
-def counted_lane_calls(monkeypatch, local):
-    """Count the lanes' compiled steps whose records come ``local`` ways, from no lane kept."""
-    from mpitree import _steps
-
-    _steps.STEPS.clear()
-    _steps._seen.clear()
-    calls, bind = [], _steps.bind_call
-
-    def counted(fn, args, keep=()):  # a lane kept from now on takes the counting step
-        step = bind(fn, args, keep)
-
-        def run(out):
-            if args.local == local:
-                calls.append(1)
-            return step(out)
-
-        return run
-
-    monkeypatch.setattr(_steps, "bind_call", counted)
-    return calls
-
-
-def lane_expected(comm=None):
-    """Whether a recurring float32 ``allreduce_state`` on ``comm`` can take its lane here."""
-    from mpitree._library import native_lib
-    from mpitree._strategies.allreduce import _PERSISTENT_OK
-
-    size = (comm or world()).Get_size()
-    return native_lib() is not None and (_PERSISTENT_OK or size == 1)
 
 
 def random_records(seed, shape=(2, 3, 10), dtype=np.float32):
