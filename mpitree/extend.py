@@ -50,7 +50,8 @@ with the same ``key`` (what ``prepare()``'s call depends on besides the records'
 shape and dtype) runs, through the entry point's lane
 (``@entry_point(lane=...)`` calling ``lane(comm_arg, key, records)``), as one
 compiled call: the same agreement, the records copied in, the merge, and the
-records copied out.
+records copied out. ``examples/extend_adapter.py`` is a whole adapter written from
+this module alone.
 
 A rank's exception is raised there and :class:`mpitree.RankError` on the other
 ranks. Sharded prefill, where each rank holds other queries, has two collectives

@@ -111,6 +111,22 @@ def test_quickstart_example():
     assert err < 2e-5 and "plan == one-shot: True" in res.stdout
 
 
+def test_an_adapter_of_ones_own_from_extend_alone():
+    """examples/extend_adapter.py: exact over uneven and empty shards, bad input on one rank
+    raising on every rank, and nothing imported from mpitree but its public modules."""
+    path = ROOT / "examples" / "extend_adapter.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module.startswith("mpitree"):
+            assert node.module in ("mpitree", "mpitree.extend"), node.module
+            assert not any(alias.name.startswith("_") for alias in node.names), node.module
+        if isinstance(node, ast.Import):
+            assert all(a.name in ("math", "numpy", "mpitree") for a in node.names), node.names
+    res = run(3, [sys.executable, str(path)])
+    assert res.returncode == 0, res.stdout + res.stderr
+    err = float(res.stdout.split("max |out - ref| = ")[1].split(" ")[0])
+    assert err < 1e-6 and "bad input: RankError" in res.stdout, res.stdout
+
+
 THREADS = """
 import json, os, mpitree
 from mpi4py import MPI
