@@ -530,3 +530,37 @@ def test_ranks_sharing_a_gpu_are_refused_on_every_rank():
         mpitree.tree_decode(q, k, v, strategy="nccl", **kw)
     out = mpitree.tree_decode(q, k, v, strategy="device-node", **kw)  # which merges them
     assert_allclose(out.cpu().numpy(), prob.reference()[0], atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="share GPU 0"):
+        mpitree.DecodePlan(2, 4, 2, 16, strategy="nccl", like=q)
+    with mpitree.DecodePlan(2, 4, 2, 16, strategy="device-node", like=q) as plan:
+        assert plan_merger(plan).buf.device == q.device
+        out = plan.decode(q, k, v, **kw)
+    assert out.device == q.device
+    assert_allclose(out.cpu().numpy(), prob.reference()[0], atol=2e-5, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parallel(nprocs=[1, 2, 3, 4])
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
+def test_real_nccl_plan_on_a_gpu_each():
+    """A plan with ``like=`` a CUDA tensor over real NCCL, each rank on its own GPU: its
+    records on that GPU, exact, the same bits step after step and on every rank; CPU
+    tensors on one rank refused on every rank."""
+    comm = world()
+    if torch.cuda.device_count() < comm.size:
+        pytest.skip(f"{comm.size} ranks need a GPU each, {torch.cuda.device_count()} here")
+    device = f"cuda:{comm.rank}"
+    prob = make_problem(5, sizes_of("some_empty", comm.size), batch=2, q_len=3, positions=True,
+                        mask="head")  # fmt: skip
+    q, k, v, kw = tensors(prob, comm.rank, device)
+    with mpitree.DecodePlan(2, 4, 2, 16, q_len=3, strategy="nccl", like=q) as plan:
+        assert plan_merger(plan).buf.device == q.device
+        outs = [plan.decode(q, k, v, **kw) for _ in range(3)]
+        bad = comm.rank == comm.size - 1
+        with pytest.raises(ValueError, match="made for torch tensors on cuda"):
+            plan.decode(*((x.cpu() for x in (q, k, v)) if bad else (q, k, v)), **kw)
+    assert outs[0].device == q.device
+    outs = [out.cpu().numpy() for out in outs]
+    assert_allclose(outs[0], prob.reference()[0], atol=2e-5, rtol=0)
+    assert all(same_bits(out, outs[0]) for out in outs)
+    assert gathered_identical(comm, outs[0])
