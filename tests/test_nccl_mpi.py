@@ -450,9 +450,11 @@ def test_a_missing_backend_on_one_rank_raises_on_every_rank(stand_in, monkeypatc
 
 @pytest.mark.parallel(nprocs=[2, 3])
 @pytest.mark.parametrize("fails", ["opening", "joining", "making"])
-def test_a_failed_rendezvous_raises_on_every_rank(stand_in, monkeypatch, fails):
+@pytest.mark.parametrize("made", ["merger", "plan"])
+def test_a_failed_rendezvous_raises_on_every_rank(stand_in, monkeypatch, fails, made):
     """The store failing on rank 0 or on the last rank, or the group on rank 0 (the others
-    wait out the timeout in gloo's connect): a RuntimeError on every rank, not a hang."""
+    wait out the timeout in gloo's connect): a RuntimeError on every rank, not a hang, for a
+    merger or a plan (``like=`` a tensor) being made."""
     comm = world()
     bad = comm.size - 1 if fails == "joining" else 0
     monkeypatch.setattr(nccl, "TIMEOUT", datetime.timedelta(seconds=3))
@@ -460,15 +462,21 @@ def test_a_failed_rendezvous_raises_on_every_rank(stand_in, monkeypatch, fails):
     def broken(*args, **kwargs):
         raise RuntimeError("no sockets today")
 
+    def make():
+        if made == "plan":
+            plan = mpitree.DecodePlan(1, 2, 2, 4, comm=sub, strategy="nccl", like=torch.zeros(1))
+            return plan_merger(plan)
+        return Merger(sub, 2, 4, "float32", "nccl", like=torch.zeros(1))
+
     if comm.rank == bad:
         monkeypatch.setattr(*((dist, "TCPStore") if fails != "making" else (nccl, "_backend")),
                             broken)  # fmt: skip
     sub = comm.Dup()  # a communicator with no group yet
     try:
         with pytest.raises(RuntimeError, match=f"strategy 'nccl': {fails}.* failed on rank {bad}"):
-            Merger(sub, 2, 4, "float32", "nccl", like=torch.zeros(1))
+            make()
         monkeypatch.undo()
-        merger = Merger(sub, 2, 4, "float32", "nccl", like=torch.zeros(1))  # then it is made
+        merger = make()  # then it is made
         assert np.isfinite(merger.merge(lambda out: out.fill_(1.0))).all()
         merger.free()
     finally:
