@@ -63,14 +63,16 @@ def agree_merger(comm, prepare, *, like=None, owned=False, dtype=None):
         Returns a :class:`Call`; any exception it raises becomes this
         rank's verdict in the agreement.
     like : array, optional
-        An array of the call's framework and device: records of device arrays are
-        staged through host buffers of the merger. None for numpy.
+        An array of the call's framework and device (a one-shot call's q, a plan's
+        ``like=``): with the strategy's declared ``buffers`` it picks the merger's
+        buffer kind, where the records of such arrays live. None for numpy.
     owned : bool, optional
         Build a merger that only the caller holds (a plan frees it with itself)
         instead of the one cached on ``comm`` (:func:`merger_for`).
     dtype : dtype or str, optional
-        For a call given a dtype and no arrays (a plan): named, as given, in the
-        error where the strategy's buffer kinds cannot serve its host records.
+        For a call given a dtype and no arrays (a plan without ``like=``): named,
+        as given, in the error where the strategy's buffer kinds cannot serve its
+        host records.
 
     Returns
     -------

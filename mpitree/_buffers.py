@@ -219,8 +219,9 @@ def unserved(strategy, buffers, like, dtype=None):
     like : array or None
         The call's array (its framework, dtype and device); None for host records.
     dtype : dtype or str, optional
-        For a call given a dtype and no arrays (a :class:`~mpitree.DecodePlan`,
-        whose records live in host memory): that dtype, as the caller gave it.
+        For a call given a dtype and no arrays (a :class:`~mpitree.DecodePlan`
+        without ``like=`` a device array, whose records live in host memory): that
+        dtype, as the caller gave it.
     """
     names = " or ".join(buffers)
     kinds = [cls for name in buffers for cls in KINDS[name]]
@@ -252,6 +253,6 @@ def _described(like, dtype):
     if isinstance(dtype, type):
         dtype = f"{dtype.__module__}.{dtype.__qualname__}"
     return (
-        f"a DecodePlan of dtype {dtype!s}: a plan is made from a dtype, not arrays, so its "
-        "records live in host memory (tree_decode takes device arrays)"
+        f"a DecodePlan of dtype {dtype!s}: a plan is made from a dtype, so without like= (an "
+        "array of its steps' framework and device) its records live in host memory"
     )

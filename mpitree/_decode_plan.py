@@ -20,7 +20,7 @@ from ._invariant_step import (
     invariant_signature,
 )
 from ._library import address
-from ._namespace import Array
+from ._namespace import Array, is_array, namespace
 from ._options import INVARIANT, Options
 from ._runtime import limit_blas_threads
 from ._state import finish, lse_of
@@ -150,6 +150,17 @@ class DecodePlan:
     validate : bool, optional
         Debug mode: every step also checks that q, k, v are finite and that q is the
         same on every rank (a checksum, one extra small collective per step).
+    like : array, optional
+        An array of the framework and on the device that every step's q, k and v
+        will have (e.g. ``torch.empty(0, device="cuda:1")``, or the first step's q);
+        only its framework and device are read, not its shape or dtype. The plan's
+        records then live in the memory the strategy merges in for such arrays,
+        allocated once here: device memory for ``strategy="nccl"`` and
+        ``"device-node"`` (torch tensors; the merge runs on the device), pinned host
+        memory for CUDA tensors under a host strategy, host memory otherwise. Every
+        step's arrays must then be of that framework and device (torch: the same
+        ``tensor.device``), else an error on every rank. Default None: host records,
+        and arrays of any framework and device (their records staged through the host).
 
     Attributes
     ----------
@@ -176,10 +187,13 @@ class DecodePlan:
         deterministic: bool | str = False,
         validate: bool = False,
         block_size: int | None = None,
+        like: Any = None,
     ) -> None:
         comm = check_comm(comm)
+        staged = None if like is None or isinstance(like, np.ndarray) else like
 
         def prepare():
+            where = None if like is None else _where(like)
             problem = Problem.of(batch, q_heads, kv_heads, head_dim, q_len, dtype)
             options = Options.resolve(
                 problem.head_dim, strategy, scale, deterministic, node_size, validate,
@@ -189,18 +203,20 @@ class DecodePlan:
             if options.deterministic == INVARIANT:
                 invariant_signature(sig)
             merge = (problem.rows, problem.head_dim, problem.acc, options)
-            return Call(sig, (problem, options), merge=merge)
+            return Call(sig, (problem, options, where), merge=merge)
 
-        call, self._merger = agree_merger(comm, prepare, owned=True, dtype=dtype)
-        self.problem, self.options = call.payload
+        call, self._merger = agree_merger(comm, prepare, like=staged, owned=True, dtype=dtype)
+        self.problem, self.options, self._where = call.payload
         self._arithmetic = call.signature.get("kernel")  # invariant mode: what ranks agreed
         self.strategy = self._merger.strategy
         self.comm = comm
         self._ranks = comm.Get_size()  # for repr, which may run after MPI.Finalize()
         limit_blas_threads()
         self._step = Step(call, self.problem, self.options)  # its kernel: the last checked layout
-        self._compiled = self._step.compile(self._merger)  # its fast form (decode's lane)
-        if self._ranks == 1 and self.options.deterministic != INVARIANT:
+        # its fast form (decode's lane): numpy arrays only, which a plan for others refuses
+        self._compiled = self._step.compile(self._merger) if staged is None else None
+        opts = self.options
+        if self._ranks == 1 and opts.deterministic != INVARIANT and self._merger.kind.host_memory:
             merged_alone(self._merger.records)  # a device kernel may keep them on the device
 
     @property
@@ -285,6 +301,9 @@ class DecodePlan:
         if out is not None:  # a bad one is refused inside the merge's guard
             bad = output_error(out, q, (*problem.row_shape, problem.head_dim))
             local = local if bad is None else functools.partial(_refuse, bad)
+        if self._where is not None:  # a plan made for arrays like ``like``: refused elsewhere
+            bad = _misplaced(self._where, q)
+            local = local if bad is None else functools.partial(_refuse, bad)
         records = self._merger.merge(local).reshape(*problem.row_shape, -1)
         return finish(records, q, return_lse, inputs=args[:3], out=out)
 
@@ -312,7 +331,46 @@ class DecodePlan:
         self.free()
 
     def __repr__(self):
-        return f"DecodePlan({self.problem}, strategy={self.strategy!r}, ranks={self._ranks})"
+        like = "" if self._where is None else f", like={_placed(self._where)}"
+        return f"DecodePlan({self.problem}, strategy={self.strategy!r}, ranks={self._ranks}{like})"
+
+
+def _where(like):
+    """Return where ``like`` lives (its namespace's :meth:`device`); raise if not an array."""
+    if not is_array(like):
+        kind = type(like)
+        raise TypeError(
+            "mpitree: like= takes a numpy, torch, CuPy or JAX array (of the steps' framework "
+            f"and device), got {kind.__module__}.{kind.__qualname__}"
+        )
+    return namespace(like).device(like)
+
+
+_ARRAYS = {"torch": "torch tensors", "cupy": "CuPy arrays", "jax": "JAX arrays"}
+
+
+def _placed(where):
+    """Name the arrays that live at ``where`` (:func:`_where`): for an error, the repr."""
+    if len(where) == 1:
+        return "numpy arrays"
+    return f"{_ARRAYS.get(where[0], where[0])} on {where[1]}"
+
+
+def _misplaced(where, q):
+    """Return the error of a step whose q does not live at ``where`` (:func:`_where`), or None.
+
+    Never raises: a q that is no array is left to the step's own checks.
+    """
+    try:
+        got = namespace(q).device(q)
+    except Exception:
+        return None
+    if got == where:
+        return None
+    return ValueError(
+        f"mpitree: this DecodePlan was made for {_placed(where)} (like=) and its records live "
+        f"there; got {_placed(got)} (make a plan for them, with like= one of them)"
+    )
 
 
 def _refuse(error, *records):

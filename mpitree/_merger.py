@@ -275,7 +275,7 @@ def buffer_kind(merge, like, dtype=None):
     like : array or None
         The call's array (framework and device); None for host records.
     dtype : dtype or str, optional
-        The dtype a call without arrays was given (a plan's), for the error.
+        The dtype a call without arrays was given (a plan's without ``like=``), for the error.
 
     Returns
     -------

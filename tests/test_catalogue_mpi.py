@@ -180,6 +180,8 @@ def plan_init_cases():
         "validate differs": lambda bad: call(bad, validate=True),
         "block size without invariant": lambda bad: call(bad, block_size=8),
         "invariant differs": lambda bad: call(bad, deterministic="invariant"),
+        "like not an array": lambda bad: call(bad, like="cuda"),
+        "like on one rank only": lambda bad: call(bad, like=torch.zeros(1)),
     }
 
 
@@ -207,8 +209,23 @@ def plan_decode_cases():
         ),
         "not an array (allreduce3)": lambda bad: call(bad, "allreduce3", v="v"),
         "kv_start without invariant": lambda bad: call(bad, kv_start=0),
+        "numpy into a plan for tensors": lambda bad: for_tensors(bad),
+        "tensors elsewhere (meta)": lambda bad: for_tensors(bad, "meta"),
         **invariant_cases(plan=True),
     }
+
+
+def for_tensors(bad, device=None):
+    """A step of a plan made with ``like=`` a CPU tensor: numpy arrays, or tensors on
+    ``device``, on the bad rank."""
+    q, k, v = arrays()
+    tensors = [torch.from_numpy(x) for x in (q, k, v)]
+    if not bad:
+        q, k, v = tensors
+    elif device is not None:
+        q, k, v = (x.to(device) for x in tensors)
+    with mpitree.DecodePlan(2, 4, 2, 8, like=tensors[0]) as plan:
+        plan.decode(q, k, v)
 
 
 def allreduce_state_cases():
