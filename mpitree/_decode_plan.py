@@ -50,24 +50,26 @@ def _decode_lane(
     """:meth:`DecodePlan.decode`'s lane: the plan's step in one compiled call; else None.
 
     It runs where the plan's step is bound once (:meth:`Step.compile
-    <mpitree._steps.Step.compile>`), the step has no lengths, positions, mask
-    or placement (``return_lse`` a bool; ``out``, if given, a writeable C-contiguous
-    float32 numpy array of q's shape), the fast path is on (no
-    :class:`full_checks` block) and no observer is on the phase hook
-    (``phase_times`` times the guarded path's phases), and its arrays have the
-    layout of the last step that passed the full checks (:meth:`KernelSlot.load
-    <mpitree._step.KernelSlot.load>`): the kernel over the shard, the merge (this
-    rank's flag clear) and the output, as the guarded path's fast branch computes
-    them, bit for bit. Otherwise it returns None before any collective, and
-    :meth:`DecodePlan.decode` runs: its merge is the same collective, so a rank
-    whose checks fail there raises on every rank, those here included
+    <mpitree._steps.Step.compile>`), the step has no positions, mask or placement
+    (``return_lse`` a bool; ``out``, if given, a writeable C-contiguous float32
+    numpy array of q's shape), the fast path is on (no :class:`full_checks`
+    block) and no observer is on the phase hook (``phase_times`` times the
+    guarded path's phases), and its arrays, ``kv_len`` included (None, or a
+    numpy integer array of the bound dtype and shape ``(B,)`` with every value
+    in ``[0, T]``: a fixed-capacity cache's), have the layout of the last step
+    that passed the full checks (:meth:`KernelSlot.load
+    <mpitree._step.KernelSlot.load>`): the kernel over the shard (keys past a
+    row's ``kv_len`` unread), the merge (this rank's flag clear) and the output,
+    as the guarded path's fast branch computes them, bit for bit. Otherwise it
+    returns None before any collective, and :meth:`DecodePlan.decode` runs: its
+    merge is the same collective, so a rank whose checks fail there (a
+    ``kv_len`` out of range, say) raises on every rank, those here included
     (:meth:`Merger.merge_layer <mpitree._merger.Merger.merge_layer>`).
     """
     try:
         compiled = plan._compiled
         if (
             compiled is None
-            or kv_len is not None
             or q_pos is not None
             or k_pos is not None
             or mask is not None
@@ -76,7 +78,7 @@ def _decode_lane(
             or kv_blocks is not None
             or not FAST_PATH
             or hook.observer is not None
-            or not plan._step.kernel.load(q, k, v, compiled.struct)
+            or not plan._step.kernel.load(q, k, v, kv_len, compiled.struct)
         ):
             return None
         if out is None:
@@ -108,11 +110,11 @@ class DecodePlan:
     ``MPI_Allreduce_init`` request where the MPI library supports it). Each
     :meth:`decode` then pays only for local attention and one collective, which
     also carries every rank's verdict on its own inputs; a step over host float32
-    numpy arrays with the layout of the last step that passed the full checks (no
-    lengths, positions or mask) runs as one compiled call where the merge is one
-    persistent all-reduce or there is one rank (its step bound once). Free it with
-    :meth:`free` or a ``with`` block; a plan that is dropped frees its request
-    when it is collected.
+    numpy arrays with the layout of the last step that passed the full checks
+    (``kv_len`` allowed, no positions or mask) runs as one compiled call where the
+    merge is one persistent all-reduce or there is one rank (its step bound once).
+    Free it with :meth:`free` or a ``with`` block; a plan that is dropped frees its
+    request when it is collected.
 
     Parameters
     ----------

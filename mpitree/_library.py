@@ -54,6 +54,7 @@ class StepArgs(ctypes.Structure):
         ("k", ctypes.c_void_p),
         ("v", ctypes.c_void_p),
         ("t", ctypes.c_int64),
+        ("lens", ctypes.c_void_p),
         ("vis", ctypes.c_void_p),
         ("vis_heads", ctypes.c_int64),
         ("source", ctypes.c_void_p),

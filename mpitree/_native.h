@@ -82,7 +82,7 @@ enum mpitree_code {
 
 /* This rank's records (mpitree_step.local; mpitree/_library.py StepLocal mirrors it). */
 enum mpitree_local {
-    MPITREE_LOCAL_KERNEL = 0, /* the kernel over the bound shard with this call's q, t, vis */
+    MPITREE_LOCAL_KERNEL = 0, /* the kernel over the bound shard: this call's q, t, lens, vis */
     MPITREE_LOCAL_COPY = 1,   /* nbytes of source copied in (allreduce_state) */
 };
 
@@ -101,6 +101,7 @@ typedef struct {
     const float *q;        /* (B, Hq, Sq, D) query, C order (local KERNEL) */
     const float *k, *v;    /* the shard's K and V, strides in args (a layer binds them) */
     int64_t t;             /* the shard length T */
+    const int64_t *lens;   /* (B,) keys used per batch row, each in [0, t], or NULL (all t) */
     const uint8_t *vis;    /* (B, Hm, Sq, T) visibility, or NULL (every key) */
     int64_t vis_heads;     /* Hm: 1 or Hq */
     const void *source;    /* local COPY: the records copied in */

@@ -4,18 +4,19 @@
 /* arguments and the addresses of K, V (the cache's buffers, which grow in   */
 /* place), the merge's records and the scratch, and sets only q, the shard   */
 /* length and the step's visibility each step; a DecodePlan binds its kernel */
-/* and records, and sets q, K, V and the shard length. A recurring one-shot  */
+/* and records (with kv_len, its kernel slot's int64 lengths buffer, filled  */
+/* each step) and sets q, K, V and the shard length. A recurring one-shot    */
 /* call also binds the agreement: the MIN all-reduce of four int64 that      */
 /* mpitree/_guard.py agree sends for that call, made first, and the rest     */
 /* only if every rank sent that vector. Then: this rank's records (the       */
 /* kernel over the shard, or a state's records copied in), this rank's flag  */
 /* (clear: nothing here fails), the merge's persistent all-reduce (none for  */
-/* one rank), and the output (a layer's (B, Sq, Hq, D), a plan's or a       */
-/* one-shot call's (B, Hq, Sq, D), or the merged records).                   */
-/* MPI_Allreduce takes handles by value, whose C type differs between MPIs:  */
-/* int in MPICH, a pointer in Open MPI and the MPI ABI; handle_bytes says    */
-/* which, and the call goes through the matching function type. The others  */
-/* (MPI_Finalized, MPI_Start, MPI_Wait) take pointers only: no mpi.h.        */
+/* one rank), and the output (a layer's (B, Sq, Hq, D), a plan's or a        */
+/* one-shot call's (B, Hq, Sq, D), or the merged records). MPI_Allreduce     */
+/* takes handles by value, whose C type differs between MPIs: int in MPICH,  */
+/* a pointer in Open MPI and the MPI ABI; handle_bytes says which, and the   */
+/* call goes through the matching function type. The others (MPI_Finalized,  */
+/* MPI_Start, MPI_Wait) take pointers only: no mpi.h.                        */
 /* ------------------------------------------------------------------------- */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 
@@ -29,8 +30,8 @@
 typedef int (*allreduce_int_handles)(const void *, void *, int, int, int, int);
 typedef int (*allreduce_pointer_handles)(const void *, void *, int, void *, void *, void *);
 
-/* This rank's records: the kernel over the bound shard with this call's q, T and
- * visibility, or (MPITREE_LOCAL_COPY) nbytes of source. */
+/* This rank's records: the kernel over the bound shard with this call's q, T, lengths
+ * and visibility, or (MPITREE_LOCAL_COPY) nbytes of source. */
 void mpitree_step_local(mpitree_step *s)
 {
     if (s->local == MPITREE_LOCAL_COPY) {
@@ -40,7 +41,7 @@ void mpitree_step_local(mpitree_step *s)
     s->args.t = s->t;
     s->args.vis = s->vis;
     s->args.vis_heads = s->vis_heads;
-    s->args.lens = NULL;
+    s->args.lens = s->lens;
     mpitree_attend_f32(&s->args, s->q, s->k, s->v, s->rec, s->scratch);
 }
 

@@ -78,7 +78,7 @@ class KernelSlot:
     bound only where :func:`attend` would run its rows as one block
     (:meth:`takes`; a prompt over many keys runs in blocks of rows, whose bits
     differ), over host float32 inputs with no positions or mask (lengths: only
-    through :meth:`step`, which range-checks them).
+    through :meth:`step` and :meth:`load`, which range-checks them).
 
     Two ways in: :meth:`fill` takes a checked :class:`Attention` (numpy, or CPU
     torch tensors shared without a copy) and binds on a new layout by itself (a
@@ -165,37 +165,53 @@ class KernelSlot:
             self._out = (records, address(records))
         self._prepared.run_raw(address(q), address(k), address(v), k.shape[2], self._out[1])
 
-    def load(self, q, k, v, call):
-        """Set a compiled step's arrays for a step with the bound layout and no lengths.
+    def load(self, q, k, v, kv_len, call):
+        """Set a compiled step's arrays for a step with the bound layout.
 
-        As :meth:`step` with ``kv_len`` None, for the struct :meth:`point` keeps
-        aimed at the bound kernel: it sets ``call``'s ``q``, ``k``, ``v`` and ``t``
-        where the step may run bound, and returns whether it may (False: nothing
-        set; the caller's checked path decides). Checks nothing else.
+        As :meth:`step`, for the struct :meth:`point` keeps aimed at the bound
+        kernel: where the step may run bound (its layout, ``kv_len``'s dtype and
+        shape included, is the bound one, K and V lengths agree, not a prompt,
+        every ``kv_len`` in ``[0, T]``), it copies ``kv_len`` into the slot's
+        int64 lengths (which ``call.lens`` points at while the bound layout has
+        lengths), sets ``call``'s ``q``, ``k``, ``v`` and ``t``, and returns True;
+        otherwise False, ``call`` untouched (the caller's checked path decides).
+        Checks nothing else.
         """
         layout = self._layout
-        if layout is None or _layout(q, k, v, None) != layout:
+        if layout is None or _layout(q, k, v, kv_len) != layout:
             return False
         t = k.shape[2]
         b, hq, sq = self._rows
         if v.shape[2] != t or (sq != 1 and self.prompt(b, hq, sq, t)):  # :meth:`takes`, inline
             return False
+        if kv_len is not None:
+            values = kv_len.tolist()
+            if min(values) < 0 or max(values) > t:
+                return False  # the full checks raise the error
+            self._prepared.lens[:] = kv_len  # cheaper than asking whether it is int64 already
         call.q, call.k, call.v, call.t = address(q), address(k), address(v), t
         return True
 
     def point(self, call):
         """Keep a compiled step's struct (a ``StepArgs``) aimed at the bound kernel.
 
-        Its kernel arguments and scratch are the bound kernel's now (where one is
-        bound) and again whenever :meth:`bind` binds another layout.
+        Its kernel arguments, scratch and lengths (the slot's int64 buffer where
+        the bound layout has ``kv_len``, else NULL) are the bound kernel's now
+        (where one is bound) and again whenever :meth:`bind` binds another layout.
         """
         self._call = call
         if self._prepared is not None:
             self._aim(call)
 
     def _aim(self, call):
-        """Copy the bound kernel's arguments and scratch address into ``call``."""
-        call.args, call.scratch = self._prepared.args, address(self._prepared.scratch)
+        """Copy the bound kernel's arguments and scratch address into ``call``.
+
+        ``call.lens`` points at the slot's int64 lengths where the bound layout has
+        ``kv_len`` (:meth:`load` fills them each step), else is NULL.
+        """
+        prepared, layout = self._prepared, self._layout
+        call.args, call.scratch = prepared.args, address(prepared.scratch)
+        call.lens = None if layout is None or layout[-1] is None else address(prepared.lens)
 
     def fill(self, att, records):
         """Write ``att``'s state into host records ``(rows, D + 2)``, as :meth:`Attention.fill`."""

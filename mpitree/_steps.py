@@ -136,8 +136,10 @@ class Bound:
     shard, or a state's records copied in), the output's layout and, as an option,
     the agreement (the vector :func:`~._guard.agree` sent for the call, made again
     in C first; none for a plan or a layer, which agreed before). A step then sets
-    only this call's fields (``q``, ``k``, ``v``, ``t``, ``vis``, or ``source``)
-    and runs :attr:`run`. The merge is bound by :meth:`Merger.bind_layer
+    only this call's fields (``q``, ``k``, ``v``, ``t``, ``vis``, or ``source``;
+    a plan's ``kv_len`` goes into the lengths buffer its kernel slot points ``lens``
+    at, :meth:`KernelSlot.load <mpitree._step.KernelSlot.load>`) and runs
+    :attr:`run`. The merge is bound by :meth:`Merger.bind_layer
     <mpitree._merger.Merger.bind_layer>` (it calls :meth:`bind_merge`) where it is
     one persistent all-reduce, or there is one rank; otherwise the caller runs
     :meth:`fill` inside :meth:`Merger.merge <mpitree._merger.Merger.merge>`, then
@@ -412,8 +414,9 @@ class Step:
         """Return a plan's step bound once as a :class:`Bound`, or None where it cannot be.
 
         No agreement (the plan agreed at construction): the kernel its slot binds
-        (re-pointed whenever it binds another layout, :meth:`KernelSlot.point`),
-        the merge and the ``(B, Hq, Sq, D)`` output, in one compiled call. None
+        (re-pointed whenever it binds another layout, its ``kv_len`` included:
+        :meth:`KernelSlot.point`), the merge and the ``(B, Hq, Sq, D)`` output, in
+        one compiled call. None
         without the compiled library, in validate or invariant mode, or where
         ``merger`` does not merge float32 host records in one persistent
         all-reduce (or with one rank): :meth:`Merger.bind_layer

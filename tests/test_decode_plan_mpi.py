@@ -188,6 +188,67 @@ def test_a_plans_compiled_step_gives_the_python_paths_bits(strategy):
     assert len(runs) == (11 if fused else 0), runs  # the first step checks, then binds
 
 
+KV_LENS = {  # kv_len as a fixed-capacity cache's caller may hold it
+    "int64": lambda x: x.astype(np.int64),
+    "int32": lambda x: x.astype(np.int32),
+    "strided int64": lambda x: np.repeat(x.astype(np.int64), 2)[::2],
+}
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+@pytest.mark.parametrize("lengths", list(KV_LENS))
+@pytest.mark.parametrize("strategy", ["auto", "allgather"])
+def test_a_plans_compiled_step_with_kv_len_gives_the_python_paths_bits(lengths, strategy):
+    """A fixed-capacity cache: every step passes the whole buffer and ``kv_len`` (per row,
+    per rank; 0 and the capacity included), NaN/Inf past it. The compiled call runs
+    (after the first step, which checks and binds) and gives the Python merge's bits
+    and the full checks', lse too; a step without kv_len re-binds, and back."""
+    comm = world()
+    b, hq, hkv, dim, cap = 3, 8, 2, 16, 12
+    rng = np.random.default_rng([11, comm.rank])
+    k = rng.standard_normal((b, hkv, cap, dim)).astype(np.float32)
+    v = rng.standard_normal((b, hkv, cap, dim)).astype(np.float32)
+    clean_k, clean_v = k.copy(), v.copy()
+    with (
+        mpitree.DecodePlan(b, hq, hkv, dim, comm=comm, strategy=strategy) as plan,
+        mpitree.DecodePlan(b, hq, hkv, dim, comm=comm, strategy=strategy) as python,
+    ):
+        python._compiled = None
+        fused = plan._compiled is not None
+        assert fused == (strategy != "allgather" and compiled_expected(comm)), plan.strategy
+        runs = counted(plan)
+        for step in range(5):
+            used = np.array([(3 * comm.rank + step) % (cap + 1), 0, cap]) if step != 4 else None
+            k[...], v[...] = clean_k, clean_v
+            if used is not None:  # garbage in every slot past a row's kv_len
+                hidden = np.arange(cap)[None, :] >= used[:, None]
+                k[np.broadcast_to(hidden[:, None, :, None], k.shape)] = np.nan
+                v[np.broadcast_to(hidden[:, None, :, None], v.shape)] = np.inf
+            kw = {} if used is None else {"kv_len": KV_LENS[lengths](used)}
+            q = np.random.default_rng([12, step]).standard_normal((b, hq, 1, dim))
+            q = q.astype(np.float32)
+            out, lse = plan.decode(q, k, v, return_lse=True, **kw)
+            out_py, lse_py = python.decode(q, k, v, return_lse=True, **kw)
+            got = plan.decode(q, k, v, **kw)
+            with extend.tools.full_checks():
+                full = plan.decode(q, k, v, **kw)  # binds its kernel again: the step re-aimed
+            assert not np.isnan(out).any() and out.shape == (b, hq, 1, dim)
+            assert np.array_equal(out, out_py) and np.array_equal(out, got)
+            assert np.array_equal(out, full) and np.array_equal(lse, lse_py)
+            assert gathered_identical(comm, out)
+            n = cap if used is None else used
+            rows = np.arange(cap)[None, :] < np.broadcast_to(n, (b,))[:, None]
+            visible = np.concatenate(comm.allgather(rows), axis=1)[:, None, None]
+            shards = gathered_shards(comm, clean_k, clean_v)
+            ref, ref_lse = reference_attention(q, *shards, visible=visible)
+            assert_allclose(out, ref, atol=2e-5, rtol=0)
+            seen = np.isfinite(ref_lse)
+            assert_allclose(lse[seen], ref_lse[seen], atol=1e-5, rtol=1e-6)
+            assert (lse[~seen] == -np.inf).all() and not out[~seen].any()
+    # steps 0 and 4 (a new layout) check and bind first, then run compiled: 1 + 2 * 3 + 1
+    assert len(runs) == (8 if fused else 0), runs
+
+
 def gathered_shards(comm, k, v):
     """Every rank's K and V, concatenated in rank order along T."""
     ks, vs = comm.allgather(np.ascontiguousarray(k)), comm.allgather(np.ascontiguousarray(v))
@@ -195,10 +256,13 @@ def gathered_shards(comm, k, v):
 
 
 @pytest.mark.parallel(nprocs=NPROCS)
+@pytest.mark.parametrize("lengths", [False, True])
 @pytest.mark.parametrize("bad", [0, -1])
-def test_bad_input_on_one_rank_beside_compiled_steps_raises_everywhere(bad):
+def test_bad_input_on_one_rank_beside_compiled_steps_raises_everywhere(bad, lengths):
     """A rank whose step fails its checks runs the flagged Python merge while the others
-    run their compiled call: every rank raises (no hang), then the plan steps on, exact."""
+    run their compiled call: every rank raises (no hang), then the plan steps on, exact.
+    ``lengths``: the good ranks' steps pass a valid ``kv_len`` (a fixed-capacity cache's),
+    so a bad ``kv_len`` of the same dtype and shape is refused by the lane itself."""
     comm = world()
     bad = bad % comm.size
     dim, t = 16, 4 + comm.rank
@@ -214,13 +278,19 @@ def test_bad_input_on_one_rank_beside_compiled_steps_raises_everywhere(bad):
         "q heads": lambda: ((np.ones((1, 8, 1, dim), np.float32), k, v), {}),
         "not an array": lambda: ((q, "k", v), {}),
         "kv_len too long": lambda: ((q, k, v), {"kv_len": np.array([t + 1])}),
+        "kv_len negative": lambda: ((q, k, v), {"kv_len": np.array([-1])}),
+        "kv_len far too long": lambda: ((q, k, v), {"kv_len": np.array([2**62])}),
+        "kv_len shape": lambda: ((q, k, v), {"kv_len": np.array([1, 2])}),
+        "kv_len 2-d": lambda: ((q, k, v), {"kv_len": np.array([[1]])}),
+        "kv_len dtype": lambda: ((q, k, v), {"kv_len": np.array([1.0])}),
         "mask shape": lambda: ((q, k, v), {"mask": np.ones((1, 4, 1, t + 2), bool)}),
     }
+    good = {"kv_len": np.array([t - 1 - comm.rank % 2])} if lengths else {}
     with mpitree.DecodePlan(1, 4, 2, dim, comm=comm) as plan:
-        first = plan.decode(q, k, v)  # the full checks bind the kernel
+        first = plan.decode(q, k, v, **good)  # the full checks bind the kernel
         runs = counted(plan)
         for name, args in wrong.items():
-            mine, kw = args() if comm.rank == bad else ((q, k, v), {})
+            mine, kw = args() if comm.rank == bad else ((q, k, v), good)
             with pytest.raises(Exception) as raised:
                 plan.decode(*mine, **kw)
             if comm.rank == bad:
@@ -228,7 +298,8 @@ def test_bad_input_on_one_rank_beside_compiled_steps_raises_everywhere(bad):
             else:
                 assert isinstance(raised.value, mpitree.RankError), name
                 assert f"rank {bad}" in str(raised.value), name
-            assert np.array_equal(plan.decode(q, k, v), first), name  # the plan still works
+            # the plan still works
+            assert np.array_equal(plan.decode(q, k, v, **good), first), name
     # a good rank's steps all run compiled; the bad rank's failed checks unbind its
     # kernel, so its next step takes the full checks again (and binds)
     compiled = plan._compiled is not None and comm.rank != bad

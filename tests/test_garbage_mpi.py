@@ -82,6 +82,36 @@ def test_numpy_paths(exclusion, dtype, strategy):
 
 
 @pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_plan_compiled_lane_with_kv_len(q_len):
+    """A plan's later steps over a fixed-capacity cache with garbage past ``kv_len`` run
+    its one compiled call (where its merge binds: one persistent all-reduce) and read
+    none of the garbage."""
+    from mpitree._library import native_lib
+    from mpitree._strategies.allreduce import _PERSISTENT_OK
+
+    prob = problem("kv_len", np.float32, sizes(), q_len=q_len)
+    k, v, kw = poisoned(prob, "kv_len", world().rank)
+    ref, ref_lse = prob.reference()
+    b, hq, _, dim = prob.q.shape
+    with mpitree.DecodePlan(b, hq, k.shape[1], dim, q_len=q_len, comm=world()) as plan:
+        compiled, runs = plan._compiled, []
+        assert (compiled is not None) == (native_lib() is not None and _PERSISTENT_OK)
+        if compiled is not None:
+            run = compiled.run
+            compiled.run = lambda out: runs.append(1) or run(out)
+        for _ in range(3):  # the first step checks and binds; the others run compiled
+            out, lse = plan.decode(prob.q, k, v, return_lse=True, **kw)
+            assert not np.isnan(out).any()
+            assert_allclose(out.astype(np.float64), ref, atol=2e-5, rtol=0)
+            fin = np.isfinite(ref_lse)
+            assert_allclose(lse[fin], ref_lse[fin], atol=1e-4, rtol=1e-5)
+    # an empty shard copied afresh (numpy gives it zero strides) binds no kernel: its
+    # steps take the checked path beside the others' compiled calls
+    assert len(runs) == (2 if compiled is not None and k.size else 0), runs
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
 @pytest.mark.parametrize("exclusion", EXCLUSIONS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
 def test_torch_paths(exclusion, dtype):
