@@ -165,6 +165,26 @@ def check_finite(ns, arrays):
             raise ValueError(f"{name} contains NaN or Inf")
 
 
+def lane_output(out, shape):
+    """Return the float32 array of ``shape`` a lane writes its result into, or None.
+
+    ``out`` itself where it is a writeable C-order float32 numpy array of
+    ``shape``; a new one where ``out`` is None; None otherwise (the guarded path
+    then checks it with :func:`output_error` and says what is wrong).
+    """
+    if out is None:
+        return np.empty(shape, np.float32)
+    if (
+        type(out) is np.ndarray
+        and out.dtype == np.float32
+        and out.shape == shape
+        and out.flags.c_contiguous
+        and out.flags.writeable
+    ):
+        return out
+    return None
+
+
 def output_error(out, like, shape):
     """Return the exception an ``out=`` array for a result like ``like`` of ``shape`` calls for.
 

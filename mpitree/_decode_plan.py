@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from ._agreed import agree_merger
 from ._buffers import merged_alone
-from ._checks import Problem, output_error
+from ._checks import Problem, lane_output, output_error
 from ._guard import Call, agree, check_comm, entry_point
 from ._invariant_step import (
     _placement_unused,
@@ -81,15 +81,8 @@ def _decode_lane(
             or not plan._step.kernel.load(q, k, v, kv_len, compiled.struct)
         ):
             return None
+        out = lane_output(out, q.shape)
         if out is None:
-            out = np.empty(q.shape, np.float32)
-        elif not (
-            type(out) is np.ndarray
-            and out.dtype == np.float32
-            and out.shape == q.shape
-            and out.flags.c_contiguous
-            and out.flags.writeable
-        ):
             return None  # the guarded path checks it and says what is wrong
         target = address(out)
     except Exception:  # nothing has communicated: the guarded path decides

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._agreed import agree_merger
+from ._checks import lane_output
 from ._guard import current_entry
 from ._library import address
 from ._steps import STEPS, Layout, merged_records, remember
@@ -65,15 +66,8 @@ class RecordsMerge:
             merger = None if step is None else step.open(comm)
             if merger is None or type(records) is not np.ndarray or not records.flags.c_contiguous:
                 return None
+            out = lane_output(out, records.shape)
             if out is None:
-                out = np.empty(records.shape, np.float32)
-            elif not (
-                type(out) is np.ndarray
-                and out.dtype == np.float32
-                and out.shape == records.shape
-                and out.flags.c_contiguous
-                and out.flags.writeable
-            ):
                 return None
             step.compiled.struct.source, target = address(records), address(out)
         except Exception:  # nothing has communicated: the guarded path decides
