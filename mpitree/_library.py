@@ -15,9 +15,10 @@ import threading
 from mpi4py import MPI
 
 try:  # the hottest call's CPython entry (mpitree/_native_call.c), built where Python's headers are
+    from ._native_call import STEP_SIZE as _CALL_STEP_SIZE
     from ._native_call import call as _native_call
 except ImportError:
-    _native_call = None
+    _native_call = _CALL_STEP_SIZE = None
 
 NATIVE_ENV = "MPITREE_NATIVE_OP"
 STATUS_WORDS = 8  # int64 words of room for one MPI_Status in mpitree_step
@@ -135,15 +136,15 @@ def address(x):
 def bind_call(fn, args, keep=()):
     """Return ``step(out) -> int``: the compiled ``int fn(args *, void *out)``, ``args`` bound.
 
-    For ``mpitree_step_run`` (a decode layer's step, a recurring one-shot call's). Through
-    ``mpitree._native_call`` where it was built (a CPython call: through ctypes, a
-    later decode layer's step costs 2-3 us more on caches the model's dense layers
-    cooled), else through ctypes (``fn``'s argtypes: a pointer to
+    For ``mpitree_step_run`` (a decode layer's step, a recurring one-shot call's).
+    Through ``mpitree._native_call`` where it was built from these sources (a
+    CPython call: through ctypes, a later decode layer's step costs 2-3 us more on
+    caches the model's dense layers cooled), else through ctypes (``fn``'s argtypes: a pointer to
     ``args``'s type, then ``c_void_p``). Either way the callable holds ``args``, a
     ctypes struct, alive, and ``keep`` (``step.keep``: what the struct's addresses
     point into), so a step kept past its owner still reads live memory.
     """
-    if _native_call is not None:
+    if _native_call is not None and _CALL_STEP_SIZE == ctypes.sizeof(args):
         step = functools.partial(_native_call, ctypes.cast(fn, ctypes.c_void_p).value, args)
     else:
         step = functools.partial(fn, ctypes.byref(args))
@@ -209,8 +210,17 @@ def _load():
         lib.mpitree_kernel_best.argtypes = []
         lib.mpitree_kernel_read_order.restype = ctypes.c_int
         lib.mpitree_kernel_read_order.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.mpitree_struct_size.restype = ctypes.c_int64
+        lib.mpitree_struct_size.argtypes = [ctypes.c_int]
     except (OSError, AttributeError) as exc:
         return None, f"could not load {path}: {exc}"
+    built = (lib.mpitree_struct_size(0), lib.mpitree_struct_size(1))
+    mirrored = (ctypes.sizeof(StepArgs), ctypes.sizeof(AttnArgs))
+    if built != mirrored:
+        return None, (
+            f"{path} was built from other sources (its step and kernel structs are {built} "
+            f"bytes, mpitree's {mirrored}): rebuild it (pip install -e .)"
+        )
     return lib, None
 
 

@@ -129,6 +129,9 @@ typedef struct {
     int64_t status[MPITREE_STATUS_WORDS];     /* room for one MPI_Status */
 } mpitree_step;
 
+/* _native_step.c */
+int64_t mpitree_struct_size(int which); /* sizeof: 0 mpitree_step, 1 mpitree_attn_args */
+
 /* _native_op.c */
 int mpitree_nslots(void);
 void *mpitree_bind_slot(int bits, int slot, int dim);

@@ -74,5 +74,12 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__native_call(void)
 {
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    /* the step's size as built: mpitree/_library.py uses this module only where it
+     * equals its ctypes mirror's (a stale build would refuse every step) */
+    if (m != NULL && PyModule_AddIntConstant(m, "STEP_SIZE", (long)sizeof(mpitree_step)) != 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

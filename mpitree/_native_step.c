@@ -90,6 +90,13 @@ static int agree(mpitree_step *s)
  * bound, this rank's records, its flag, the merge, then the output into out unless
  * some rank failed. Returns an enum mpitree_code (_native.h says what each means).
  */
+/* The structs' sizes as this library was built, which the loader compares with its
+ * ctypes mirrors (mpitree/_library.py): a library built from other sources is refused. */
+int64_t mpitree_struct_size(int which)
+{
+    return which == 0 ? (int64_t)sizeof(mpitree_step) : (int64_t)sizeof(mpitree_attn_args);
+}
+
 int mpitree_step_run(mpitree_step *s, void *out)
 {
     int err = 0, done = 1;

@@ -68,6 +68,26 @@ class Attention:
         attend(_HOST, q, k, v, self.scale, lens, vis, self._rows(out))
 
 
+_FEW = 32  # up to this many lengths, Python's min and max of a list beat numpy's
+
+
+def _lengths_fit(kv_len, lens, t):
+    """Copy a bound step's ``kv_len`` (an integer array) into the int64 ``lens``.
+
+    Returns whether every length lies in ``[0, t]``; where not, ``lens`` holds
+    garbage and the caller's full checks decide. Unsigned lengths of ``2**63`` or
+    more wrap to negative int64 in the copy, and fail too.
+    """
+    if len(lens) <= _FEW:
+        values = kv_len.tolist()
+        if min(values) < 0 or max(values) > t:
+            return False
+        lens[:] = values
+        return True
+    lens[:] = kv_len
+    return lens.min() >= 0 and lens.max() <= t
+
+
 class KernelSlot:
     """The compiled kernel bound to a recurring layout: a plan, a recurring call, a layer.
 
@@ -151,11 +171,9 @@ class KernelSlot:
             return False
         lens = None
         if kv_len is not None:
-            values = kv_len.tolist()
-            if min(values) < 0 or max(values) > t:
-                return False  # the full checks raise the error
             lens = self._prepared.lens
-            lens[:] = values
+            if not _lengths_fit(kv_len, lens, t):
+                return False  # the full checks raise the error
         self._prepared.run(q, k, v, lens, records)
         return True
 
@@ -184,11 +202,8 @@ class KernelSlot:
         b, hq, sq = self._rows
         if v.shape[2] != t or (sq != 1 and self.prompt(b, hq, sq, t)):  # :meth:`takes`, inline
             return False
-        if kv_len is not None:
-            values = kv_len.tolist()
-            if min(values) < 0 or max(values) > t:
-                return False  # the full checks raise the error
-            self._prepared.lens[:] = kv_len  # cheaper than asking whether it is int64 already
+        if kv_len is not None and not _lengths_fit(kv_len, self._prepared.lens, t):
+            return False  # the full checks raise the error
         call.q, call.k, call.v, call.t = address(q), address(k), address(v), t
         return True
 

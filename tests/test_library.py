@@ -134,3 +134,28 @@ def test_record_layout_matches_the_python_definition(compiled):
     assert compiled[("define", "MPITREE_REC_N")] == (_state.N.start,)
     assert compiled[("define", "MPITREE_REC_WIDTH(7)")] == (_state.width(7),)
     assert compiled[("define", "MPITREE_FLAG_CLEAR")] == (1,) and _state.FLAG_CLEAR == -math.inf
+
+
+def test_the_loaded_library_was_built_from_these_sources():
+    """The loaded library's structs are its ctypes mirrors' sizes (so is ``_native_call``'s
+    step, where built); a library whose sizes differ (built from other sources, a stale
+    editable install) is refused with a message saying to rebuild, never run."""
+    lib = _library.native_lib()
+    if lib is None:
+        pytest.skip(f"no compiled library: {_library.load_error()}")
+    assert lib.mpitree_struct_size(0) == ctypes.sizeof(_library.StepArgs)
+    assert lib.mpitree_struct_size(1) == ctypes.sizeof(_library.AttnArgs)
+    if _library._native_call is not None:
+        assert _library._CALL_STEP_SIZE == ctypes.sizeof(_library.StepArgs)
+
+
+def test_a_library_built_from_other_sources_is_refused(monkeypatch):
+    if _library.library_path() is None:
+        pytest.skip("no compiled library to load")
+
+    class Longer(_library.StepArgs):  # the mirror of a struct one field longer
+        _fields_ = (("later", ctypes.c_int64),)
+
+    monkeypatch.setattr(_library, "StepArgs", Longer)
+    lib, error = _library._load()
+    assert lib is None and "was built from other sources" in error and "rebuild" in error, error
