@@ -304,12 +304,13 @@ def merges_run():
 def _merge_now(records, flag, *, host):
     """Run a merge outside a compiled program, after the merges already dispatched."""
     jax.effects_barrier()
+    placed = records.sharding if isinstance(records, jax.Array) and records.committed else None
     records, flag = np.asarray(records), np.asarray(flag)
     _eager.count = merges_run() + 1  # the collective is entered: it settles on every rank
     merged = np.empty(records.shape, records.dtype)
     host(records, flag, merged)
-    if isinstance(records, jax.Array) and records.committed:  # back where the records were
-        return jax.device_put(merged, records.sharding)
+    if placed is not None:  # back where the records were
+        return jax.device_put(merged, placed)
     return jnp.asarray(merged)
 
 

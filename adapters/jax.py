@@ -104,7 +104,8 @@ class _Step:
         key = keys.get(phase)
         if key is None:
             p, o = self.problem, self.opts
-            key = keys[phase] = (phase, self.folds, self.extra, p, o, o.scale.hex())
+            extra = tuple((n, x.hex() if type(x) is float else x) for n, x in self.extra)
+            key = keys[phase] = (phase, self.folds, extra, p, o, o.scale.hex())  # signs of zero
         return key
 
     def folded(self, size):
@@ -139,7 +140,7 @@ def _host_step(step, phase, records, flag, out):
     ``records``. A call that recurs (the same step and phase, records of the
     same shape) runs through :func:`_host_lane` as one compiled call.
     """
-    comm, flag = step.comm, int(np.asarray(flag))
+    comm, flag = extend.check_comm(step.comm), int(np.asarray(flag))  # freed since traced?
     key = step.key(phase, flag)
     records = np.asarray(records)
     return _MERGES.merge(comm, comm, key, records, lambda: step.call(phase, flag), out)

@@ -63,15 +63,24 @@ def _checked(q, k, v, strategy):
     return problem, extend.Options.resolve(dim, strategy)
 
 
+def _output(merged, q):
+    """The ``(B, Hq, D)`` output of merged records (0 for a row that saw no key)."""
+    return extend.finish(merged, q)[:, :, 0]
+
+
 def _lane(q, k, v, comm=None, *, strategy="auto"):
-    """The recurring call's compiled step; None (nothing has communicated): the guard runs."""
+    """The recurring call's compiled step; None (nothing has communicated): the guard runs.
+
+    Where it returns None (a layout's first two calls, or a call it declines), the
+    guarded call computes the records again: cheap beside a fused kernel's step.
+    """
     try:
         problem, opts = _checked(q, k, v, strategy)
         records = local_records(q, k, v)
     except Exception:
         return None
     merged = _MERGES.lane(comm, (problem, opts), records)
-    return None if merged is None else merged[..., 0, 2:] / merged[..., 0, 1:2]
+    return None if merged is None else _output(merged, q)
 
 
 @extend.entry_point(lane=_lane)
@@ -81,22 +90,23 @@ def bthd_decode(q, k, v, comm=None, *, strategy="auto"):
     Returns the float32 output ``(B, Hq, D)``, the same on every rank.
     """
     comm_arg, comm = comm, extend.check_comm(comm)
-    checked = records = None
-    try:  # checks that raise here ride in the agreement: every rank raises
+    checked = records = error = None
+    try:  # the checks and the local work: an error rides in the agreement, every rank raises
         checked = _checked(q, k, v, strategy)
         records = local_records(q, k, v)
     except Exception as exc:
         error = exc
 
     def prepare():
-        if checked is None:
+        if error is not None:
             raise error
         problem, opts = checked
         merge = (problem.rows, problem.head_dim, problem.acc, opts)
-        return extend.Call(problem.signature(), key=checked, merge=merge)
+        signature = {**problem.signature(), **opts.signature()}  # every rank's alike
+        return extend.Call(signature, key=checked, merge=merge)
 
-    merged = _MERGES.merge(comm_arg, comm, checked, records, prepare)
-    return merged[..., 0, 2:] / merged[..., 0, 1:2]
+    key = checked if error is None else None  # a failed call is not remembered
+    return _output(_MERGES.merge(comm_arg, comm, key, records, prepare), q)
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def _staged(prepare, like, dtype=None):
     """
 
     def staged():
-        call = prepare()
+        call = _merged(prepare())
         buffer = buffer_kind(call.merge, like, dtype)
         kind = _staging(like)
         if kind is None and buffer in (None, "host"):
@@ -117,6 +117,29 @@ def _staged(prepare, like, dtype=None):
         return dataclasses.replace(call, signature={**call.signature, **fields}, key=key)
 
     return staged
+
+
+def _merged(call):
+    """Return ``call`` with what its merger depends on agreed too, where its signature lacks it.
+
+    The merger is built from ``call.merge``: ranks whose ``(rows, head_dim, acc)``
+    or options (strategy, determinism, node size...) differ would build different
+    mergers and wait in different collectives. An entry point's signature usually
+    names them; an adapter's that does not still has them agreed (a call's key
+    determines its ``merge`` as it does its signature).
+    """
+    if call.merge is None:
+        return call
+    rows, head_dim, acc, opts = call.merge
+    signature = call.signature
+    missing = {
+        name: value
+        for name, value in (("merge", (rows, head_dim, acc)), *opts.signature().items())
+        if name not in signature
+    }
+    if not missing:
+        return call
+    return dataclasses.replace(call, signature={**signature, **missing})
 
 
 def agreed_merger(comm, call, *, like=None, owned=False):

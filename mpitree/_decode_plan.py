@@ -348,7 +348,10 @@ def _placed(where):
     """Name the arrays that live at ``where`` (:func:`_where`): for an error, the repr."""
     if len(where) == 1:
         return "numpy arrays"
-    return f"{_ARRAYS.get(where[0], where[0])} on {where[1]}"
+    device = where[1]
+    if isinstance(device, tuple):  # JAX: the devices of the array's sharding
+        device = ", ".join(map(str, device))
+    return f"{_ARRAYS.get(where[0], where[0])} on {device}"
 
 
 def _misplaced(where, q):

@@ -148,7 +148,7 @@ def _attend_block(ns, q, k, v, scale, lens, vis, out):
             return
     rec = state_records(ns, q, k, v, scale, lens, vis, dtype_name(out.dtype))
     if ns.name == "numpy" or not isinstance(out, np.ndarray):  # in the records' own framework
-        out[...] = rec
+        out[...] = ns.stop_gradient(rec)  # a merger's device buffer never joins a graph
     else:
         out[...] = ns.to_numpy(rec)
 

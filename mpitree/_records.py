@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from . import _guard
 from ._agreed import agree_merger
 from ._checks import lane_output
-from ._guard import current_entry
 from ._library import address
 from ._steps import STEPS, Layout, merged_records, remember
 
@@ -64,7 +66,12 @@ class RecordsMerge:
         try:
             step = STEPS.get((self.entry, id(comm), key, records.shape, records.dtype))
             merger = None if step is None else step.open(comm)
-            if merger is None or type(records) is not np.ndarray or not records.flags.c_contiguous:
+            if (
+                merger is None
+                or type(records) is not np.ndarray
+                or records.dtype != np.float32  # the compiled copy takes the merger's own dtype
+                or not records.flags.c_contiguous
+            ):
                 return None
             out = lane_output(out, records.shape)
             if out is None:
@@ -89,11 +96,14 @@ class RecordsMerge:
             checks run in full every call). A key must determine ``prepare()``'s
             call for records of one shape and dtype: a later call of the same
             layout reuses the agreed call instead of calling ``prepare``.
-        records : array or None
-            ``(..., D + 2)`` records (None only where ``prepare`` raises).
+        records : numpy.ndarray
+            ``(..., D + 2)`` records, of any float dtype (the merge converts them);
+            anything else (None where the local work failed) fails inside the
+            merge's guard, on every rank. Only float32 records recur compiled.
         prepare : callable
             ``prepare() -> Call`` whose ``merge`` is ``(rows, D, acc, options)``:
-            the local checks, raising this rank's verdict (it rides in the agreement).
+            the local checks, raising this rank's verdict (it rides in the
+            agreement). Its payload, if any, is not kept: nothing reads it.
         out : numpy.ndarray, optional
             As in :meth:`lane` (any dtype and order numpy can assign into).
 
@@ -103,17 +113,19 @@ class RecordsMerge:
             The merged records, ``out`` or a new array of ``records``' shape.
         """
         layout = None
-        if key is not None:
+        if key is not None and type(records) is np.ndarray:  # else: fill fails, in the guard
             layout = Layout(self.entry, id(comm_arg), key, records.shape, records.dtype)
 
         def prepared():
+            if self.entry not in _guard.ENTRY_POINTS:
+                raise RuntimeError(f"mpitree: RecordsMerge for {self.entry!r}: no such entry point")
             found = None if layout is None else STEPS.get(layout)
             return prepare() if found is None else found.prepare()
 
         call, merger = agree_merger(comm, prepared)
         result = merged_records(merger, call.merge[0], records, out)
         if layout is not None:
-            step = remember(layout, call)
-            if step is not None and current_entry() == self.entry:
+            step = remember(layout, dataclasses.replace(call, payload=None))
+            if step is not None and _guard.current_entry() == self.entry:
                 step.bind(call, comm_arg, comm, merger, self.entry)
         return result

@@ -17,7 +17,8 @@ layout) joins mpitree's guarantees by following the core's own pattern::
             problem = extend.Problem.of(B, Hq, Hkv, D, Sq, "float32")
             opts = extend.Options.resolve(D, strategy)
             merge = (problem.rows, D, problem.acc, opts)   # the merger it needs
-            return extend.Call(problem.signature(), payload, merge=merge)
+            signature = {**problem.signature(), **opts.signature()}
+            return extend.Call(signature, payload, merge=merge)
 
         # the one agreement collective, then the agreed strategy's shared merger
         call, merger = extend.agree_merger(comm, prepare, like=q)

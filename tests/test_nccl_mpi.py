@@ -572,3 +572,24 @@ def test_real_nccl_plan_on_a_gpu_each():
     assert_allclose(outs[0], prob.reference()[0], atol=2e-5, rtol=0)
     assert all(same_bits(out, outs[0]) for out in outs)
     assert gathered_identical(comm, outs[0])
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+@pytest.mark.parametrize("strategy, node_size", DEVICE_PLANS)
+def test_a_step_whose_q_requires_grad_leaves_no_graph_on_the_plans_records(
+    stand_in, strategy, node_size
+):
+    """The records a step writes into the plan's device buffer never join autograd: after
+    a step whose q requires grad, the buffer requires none and holds no graph (it grew by
+    nodes every later step, a leak over a decode loop), and the steps keep their bits."""
+    comm = world()
+    prob = make_problem(6, sizes_of("uneven", comm.size), batch=2)
+    q, k, v, kw = tensors(prob, comm.rank)
+    with mpitree.DecodePlan(2, 4, 2, 16, like=q, strategy=strategy, node_size=node_size) as plan:
+        first = plan.decode(q, k, v, **kw)
+        tracked = plan.decode(q.clone().requires_grad_(), k, v, **kw)
+        later = [plan.decode(q, k, v, **kw) for _ in range(3)]
+        buf = plan_merger(plan).buf
+        assert not buf.requires_grad and buf.grad_fn is None
+    assert same_bits(tracked.detach().numpy(), first.numpy())
+    assert all(same_bits(x.numpy(), first.numpy()) for x in later)
