@@ -125,18 +125,19 @@ def _merged(call):
     The merger is built from ``call.merge``: ranks whose ``(rows, head_dim, acc)``
     or options (strategy, determinism, node size...) differ would build different
     mergers and wait in different collectives. An entry point's signature usually
-    names them; an adapter's that does not still has them agreed (a call's key
-    determines its ``merge`` as it does its signature).
+    names them (a :class:`Problem`'s, with its ``head_dim``, and the options'); an
+    adapter's that does not still has them agreed (a call's key determines its
+    ``merge`` as it does its signature): each option it lacks, and the merge's
+    sizes where it names no ``head_dim``.
     """
     if call.merge is None:
         return call
     rows, head_dim, acc, opts = call.merge
     signature = call.signature
-    missing = {
-        name: value
-        for name, value in (("merge", (rows, head_dim, acc)), *opts.signature().items())
-        if name not in signature
-    }
+    agreed = opts.signature()
+    if "head_dim" not in signature:
+        agreed["merge"] = (rows, head_dim, acc)
+    missing = {name: value for name, value in agreed.items() if name not in signature}
     if not missing:
         return call
     return dataclasses.replace(call, signature={**signature, **missing})
