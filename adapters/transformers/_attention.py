@@ -445,15 +445,16 @@ def _step_positions(kw, batch, q_len):
     return pos if pos.shape[0] == batch else pos.expand(batch, q_len)
 
 
-def _positions_code(positions):
+def _positions_code(rows):
     """Return the step's position ids as one agreement count, the same in every process.
 
-    0 without position ids; a step of one token, its position plus 1 (so that a
+    ``rows``: the ``(B, Sq)`` position ids as lists of ints, or None. 0 without
+    position ids; a step of one token, its position plus 1 (so that a
     disagreement names the positions); else a code of all of them.
     """
-    if positions is None:
+    if rows is None:
         return 0
-    values = positions.reshape(-1).tolist()
+    values = [x for row in rows for x in row]
     if len(values) == 1 and 0 <= values[0] < (1 << 61):
         return values[0] + 1
     return (hash(tuple(values)) & ((1 << 61) - 1)) | (1 << 61)
@@ -496,9 +497,11 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, recipe, positi
     def prepare():
         if view.error is not None:
             raise view.error
-        history = None
+        history = rows = None
         if not view.sharded:
-            refed, history = sharding.advance(positions, view.start)
+            # the step's one read of its position ids on the host (on a device: a sync)
+            rows = None if positions is None else positions.tolist()
+            refed, history = sharding.advance(positions, view.start, rows)
             if refed:
                 raise _refeed_error(view, positions)
         checked = recipe.checked
@@ -519,7 +522,7 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, recipe, positi
         cache = {
             "cached tokens": view.start,
             "cache edits": sharding.edits,
-            "step positions": _positions_code(positions),
+            "step positions": _positions_code(rows),
         }
         return extend.Call(
             checked.signature,
