@@ -247,14 +247,17 @@ class CudaTorch(_namespace.Torch):
             t.from_numpy(out).copy_(work.rec)
         return True
 
-    def kernel_output(self, records, like, out=None):
+    def kernel_output(self, records, like, out=None, layout="bhsd"):
         """Return ``n / d`` of float32 host records from the Triton kernel, on ``like``'s device.
 
         None (the host finishes) unless ``MPITREE_KERNEL=triton``, and for records
         other than float32 or an output dtype the kernel does not write. A CUDA
         step's records come from the host buffer's device twin: as the kernel left
         them (one rank: no copy), or the merged host records copied up into it.
-        ``out``, when given, is written in place and returned.
+        ``out``, when given, is written in place and returned. ``layout="bshd"``
+        (records ``(B, Hq, Sq, D + 2)``, the output ``(B, Sq, Hq, D)`` as
+        transformers' attention returns it) is finished on the device only: CPU
+        tensors' records are finished by the host's compiled pass (None here).
         """
         kernel = _triton()
         if kernel is None or records.dtype != "float32":
@@ -262,13 +265,16 @@ class CudaTorch(_namespace.Torch):
         if dtype_name(like.dtype) not in _TRITON_DTYPES:
             return None
         if shares_host(like.device):
+            if layout == "bshd":
+                return None
             return kernel.finish_output(self.t.from_numpy(records), like.dtype, out)
         work = workspace(address(records), records.shape, like.device)
         if work.fresh:
             work.fresh = False  # consumed: a later step writes it again
         else:
             work.twin().copy_(self.t.from_numpy(records))  # one host-to-device copy
-        return kernel.finish_output(work.rec, like.dtype, out)
+        rec = work.rec if layout == "bhsd" else work.rec.transpose(1, 2)  # Sq = 1: no copy
+        return kernel.finish_output(rec, like.dtype, out)
 
     def host_records(self, records):
         """Return host records as merged: a one-rank plan's left on the device copied down first."""

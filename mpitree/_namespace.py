@@ -230,7 +230,7 @@ class NumpyLike:
         """Write records from a selected device kernel into ``out``: none here (False)."""
         return False
 
-    def kernel_output(self, records, like, out=None):
+    def kernel_output(self, records, like, out=None, layout="bhsd"):
         """Return ``n / d`` from a selected device kernel: none here (None)."""
         return None
 
@@ -429,10 +429,11 @@ class Torch:
         """
         return False
 
-    def kernel_output(self, records, like, out=None):
+    def kernel_output(self, records, like, out=None, layout="bhsd"):
         """Return ``n / d`` of host records from a selected device kernel, or None (none here).
 
-        ``out``, when given, is written in place and returned.
+        ``out``, when given, is written in place and returned; ``layout="bshd"``
+        asks for ``(B, Sq, Hq, D)`` (see :func:`~mpitree._state.finish`).
         """
         return None
 

@@ -186,7 +186,9 @@ def finish(records, like, return_lse=False, layout="bhsd", inputs=(), out=None):
     if layout == "bshd":
         if records.ndim != 4:
             raise ValueError(f"layout='bshd' needs (B, Hq, Sq, D + 2) records, got {records.shape}")
-        result = _output_bshd(records)
+        result = None if ns.name == "numpy" else ns.kernel_output(records, like, out, layout)
+        if result is None:  # a device kernel finished none: the records are read on the host
+            result = _output_bshd(records if ns.name == "numpy" else ns.host_records(records))
         if ns.name == "numpy" and host_dtype is not None:
             result = result.astype(host_dtype, copy=False)
     elif layout == "bhsd" and host_dtype == np.float32 and ns.name == "numpy":

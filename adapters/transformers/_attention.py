@@ -11,6 +11,7 @@ import torch
 from transformers.masking_utils import causal_mask_function, prepare_padding_mask
 
 from mpitree import extend
+from mpitree._buffers import alone, merged_alone
 from mpitree._checks import check_qkv
 from mpitree._invariant_step import invariant_pieces, invariant_signature
 from mpitree._merger import Merger
@@ -445,15 +446,16 @@ def _step_positions(kw, batch, q_len):
     return pos if pos.shape[0] == batch else pos.expand(batch, q_len)
 
 
-def _positions_code(positions):
+def _positions_code(rows):
     """Return the step's position ids as one agreement count, the same in every process.
 
-    0 without position ids; a step of one token, its position plus 1 (so that a
+    ``rows``: the ``(B, Sq)`` position ids as lists of ints, or None. 0 without
+    position ids; a step of one token, its position plus 1 (so that a
     disagreement names the positions); else a code of all of them.
     """
-    if positions is None:
+    if rows is None:
         return 0
-    values = positions.reshape(-1).tolist()
+    values = [x for row in rows for x in row]
     if len(values) == 1 and 0 <= values[0] < (1 << 61):
         return values[0] + 1
     return (hash(tuple(values)) & ((1 << 61) - 1)) | (1 << 61)
@@ -496,9 +498,11 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, recipe, positi
     def prepare():
         if view.error is not None:
             raise view.error
-        history = None
+        history = rows = None
         if not view.sharded:
-            refed, history = sharding.advance(positions, view.start)
+            # the step's one read of its position ids on the host (on a device: a sync)
+            rows = None if positions is None else positions.tolist()
+            refed, history = sharding.advance(positions, view.start, rows)
             if refed:
                 raise _refeed_error(view, positions)
         checked = recipe.checked
@@ -519,7 +523,7 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, recipe, positi
         cache = {
             "cached tokens": view.start,
             "cache edits": sharding.edits,
-            "step positions": _positions_code(positions),
+            "step positions": _positions_code(rows),
         }
         return extend.Call(
             checked.signature,
@@ -533,12 +537,27 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, recipe, positi
     # host tensors need no staging buffer: a plain one (and no look-up of its device)
     like = None if getattr(query, "is_cpu", False) else query
     call, merger = extend.agree_merger(sharding.comm, prepare, like=like)
+    if sharding.size == 1 and merger is not None and not sharding.invariant:
+        _alone(merger)
     opts, history, keep = call.payload
     if not view.sharded:
         sharding.settle(history)
     step = view.step
     step.signature, step.scale, step.merger = recipe.signature, opts.scale, merger
     step.visible[_visible_key(mask, view)] = (mask, keep)  # the first layer's, computed above
+
+
+def _alone(merger):
+    """Mark a one-rank step's merger's records as merged alone, as a one-rank plan's are.
+
+    A device kernel (``MPITREE_KERNEL=triton`` on CUDA) then keeps a layer's
+    records on the device and finishes its output there, in the layout
+    transformers takes: nothing goes through the host (the merge of one rank is
+    the identity).
+    """
+    records = merger.records
+    if merger.kind.host_memory and not alone(records):
+        merged_alone(records)
 
 
 def _check_step(query, key, value, scaling, sharding, recipe, sharded):

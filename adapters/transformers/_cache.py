@@ -77,6 +77,9 @@ class Sharding:
     recipe: object = None
     # (index, device, tensor [index]) of the last decode step's token: every layer's
     token_memo: tuple | None = None
+    # int64 0, 1, 2, ... on the device of the last decode step's token: each step's
+    # ``[index]`` is a view of it (no allocation, no host-to-device copy a step)
+    token_range: torch.Tensor | None = None
     # (View, thread id) of the last update given no attention keywords to carry its view,
     # until an attention call in that thread claims it (see :func:`claim`)
     unclaimed: tuple | None = None
@@ -133,13 +136,20 @@ class Sharding:
         return step
 
     def token(self, idx, device):
-        """Return the int64 tensor ``[idx]`` on ``device``, one for every layer of a decode step."""
+        """Return the int64 tensor ``[idx]`` on ``device``, one for every layer of a decode step.
+
+        A view of :attr:`token_range`, made with room to grow (by half when
+        outgrown): a step neither allocates it nor copies it to the device.
+        """
         memo = self.token_memo
         if memo is None or memo[0] != idx or memo[1] != device:
-            memo = self.token_memo = (idx, device, torch.tensor([idx], device=device))
+            tokens = self.token_range
+            if tokens is None or tokens.device != device or idx >= tokens.shape[0]:
+                tokens = self.token_range = torch.arange(max(idx + idx // 2, 256), device=device)
+            memo = self.token_memo = (idx, device, tokens[idx : idx + 1])
         return memo[2]
 
-    def advance(self, positions, before):
+    def advance(self, positions, before, values=None):
         """Return whether a step at ``positions`` ``(B, Sq)`` re-feeds tokens, and its history.
 
         Re-fed: in every row, no new position goes past the ``before`` cached
@@ -148,6 +158,8 @@ class Sharding:
         twice. The history is what :meth:`settle` makes the cache's once the step
         is agreed: None (unknown), a tensor, or for a step of a few tokens its
         rows as ints, to append, with the history's per-row maximum after it.
+        ``values``: ``positions.tolist()`` if the caller read them already (the
+        step's one read of its positions on the host).
         """
         if positions is None or (before and self.whole_history is None):
             return False, None
@@ -161,12 +173,11 @@ class Sharding:
         top = self.top
         if top is None:
             top = self.top = self.history.amax(-1).tolist()
+        new = positions.tolist() if values is None else values
+        high = [max(row) for row in new]
         if rows and rows * positions.shape[1] <= _FEW_POSITIONS:
-            new = positions.tolist()
-            high = [max(row) for row in new]
             after = (new, [max(n, h) for n, h in zip(high, top, strict=True)])
         else:
-            high = positions.amax(-1).tolist()
             after = torch.cat([self.history, positions.to(self.whole_history.device)], 1)
         return all(n <= h for n, h in zip(high, top, strict=True)), after
 

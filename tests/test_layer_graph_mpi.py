@@ -1,0 +1,104 @@
+"""The transformers decode layer's allocations and host copies per step (issue 50, item 3).
+
+CPU tensors stand in for CUDA ones: under ``MPITREE_KERNEL=triton`` with the torch
+adapter told that CPU tensors do not share the host (its CUDA path: the records'
+device twin, their copies down to the host and up again), a decode step of a tiny
+Llama over a :class:`ShardedCache` runs the layer as it runs on a GPU, under Triton's
+interpreter. torch's profiler counts the allocations made inside the cache's updates
+and the attention calls. What still keeps the layer out of a CUDA graph is in
+docs/frameworks.md ("A step without allocation, and CUDA graphs").
+"""
+
+import mpitree.adapters.transformers as mtt
+import numpy as np
+import pytest
+import torch
+import transformers
+from helpers import world
+from models import prompt, tiny_llama
+from mpitree.adapters import torch as adapter
+from mpitree.adapters.transformers import _attention, _cache
+from numpy.testing import assert_allclose
+from test_triton_decode import triton_selected  # noqa: F401  (a fixture)
+
+LAYERS = 2
+SPAN = "mpitree layer"  # the profiler's name for the cache's updates and the attention calls
+
+
+@pytest.fixture
+def layer_spans(monkeypatch):
+    """Run every cache update and mpitree attention call inside a profiler span."""
+    update, attend = _cache.ShardedCache.update, mtt.attention_interface
+
+    def spanned(function):
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(SPAN):
+                return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(_cache.ShardedCache, "update", spanned(update))
+    transformers.AttentionInterface.register(mtt.NAME, spanned(attend))
+    yield
+    transformers.AttentionInterface.register(mtt.NAME, attend)
+
+
+def allocations_in_spans(step):
+    """Run ``step()`` under torch's profiler; return the allocations made inside the spans."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        result = step()
+    events = prof.profiler.kineto_results.events()
+    spans = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == SPAN]
+    made = [e.start_ns() for e in events if e.name() == "[memory]" and e.nbytes() > 0]
+    return sum(any(a <= t <= b for a, b in spans) for t in made), len(spans), result
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_a_decode_layer_allocates_its_output_alone(
+    triton_selected,  # noqa: F811
+    layer_spans,
+    monkeypatch,
+):
+    """After warm-up a one-rank decode step allocates one output a layer, and its records stay put.
+
+    The cache's updates allocate nothing (the step's token index is a view); the
+    attention allocates its output alone, finished from the records' device twin
+    in transformers' layout. With one rank the merger's host records are never
+    written (the merge is the identity); with several they go down to the host
+    for the merge. The logits are eager attention's at every step and rank count.
+    """
+    monkeypatch.setattr(adapter, "shares_host", lambda device: False)  # the CUDA path,
+    monkeypatch.setattr(_attention, "_bind", lambda *args: None)  # where no host kernel binds
+    comm = world()
+    model = tiny_llama(LAYERS)
+    model.set_attn_implementation("mpitree")
+    eager = tiny_llama(LAYERS)
+    eager.set_attn_implementation("eager")
+    ids, _ = prompt(9, False, batch=1)
+    cache = mtt.ShardedCache(model.config)
+    with torch.no_grad():
+        token = model(ids, cache=cache).logits[:, -1:].argmax(-1)
+        sequence = torch.cat([ids, token], 1)
+        for step in range(4):
+            pos = sequence.shape[1] - 1
+
+            def decode(token=token, pos=pos):
+                return model(token, cache=cache, position_ids=torch.tensor([[pos]])).logits
+
+            if step < 2:  # warm-up: Triton's interpreter, the workspace, the merger
+                logits = decode()
+            else:
+                records = cache.sharding.step.merger.records
+                records[...] = 7.0
+                made, spans, logits = allocations_in_spans(decode)
+                assert spans == 2 * LAYERS  # every layer's update and attention ran spanned
+                if comm.size == 1:  # a rank with no keys also wraps Python scalars (4 bytes)
+                    assert made == LAYERS  # the outputs alone
+                assert np.all(records == 7.0) == (comm.size == 1)
+            expected = eager(sequence).logits[:, -1:]
+            assert_allclose(logits.numpy(), expected.numpy(), atol=2e-5, rtol=0)
+            token = logits[:, -1:].argmax(-1)
+            sequence = torch.cat([sequence, token], 1)
+    assert triton_selected["output"] > 0  # the output was finished by the kernel
