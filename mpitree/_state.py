@@ -186,6 +186,8 @@ def finish(records, like, return_lse=False, layout="bhsd", inputs=(), out=None):
     if layout == "bshd":
         if records.ndim != 4:
             raise ValueError(f"layout='bshd' needs (B, Hq, Sq, D + 2) records, got {records.shape}")
+        if return_lse and ns.name != "numpy":  # the lse reads them: down before the output
+            records = ns.host_records(records)
         result = None if ns.name == "numpy" else ns.kernel_output(records, like, out, layout)
         if result is None:  # a device kernel finished none: the records are read on the host
             result = _output_bshd(records if ns.name == "numpy" else ns.host_records(records))

@@ -11,7 +11,6 @@ import torch
 from transformers.masking_utils import causal_mask_function, prepare_padding_mask
 
 from mpitree import extend
-from mpitree._buffers import alone, merged_alone
 from mpitree._checks import check_qkv
 from mpitree._invariant_step import invariant_pieces, invariant_signature
 from mpitree._merger import Merger
@@ -537,27 +536,12 @@ def _agree_step(sharding, view, query, key, value, mask, scaling, recipe, positi
     # host tensors need no staging buffer: a plain one (and no look-up of its device)
     like = None if getattr(query, "is_cpu", False) else query
     call, merger = extend.agree_merger(sharding.comm, prepare, like=like)
-    if sharding.size == 1 and merger is not None and not sharding.invariant:
-        _alone(merger)
     opts, history, keep = call.payload
     if not view.sharded:
         sharding.settle(history)
     step = view.step
     step.signature, step.scale, step.merger = recipe.signature, opts.scale, merger
     step.visible[_visible_key(mask, view)] = (mask, keep)  # the first layer's, computed above
-
-
-def _alone(merger):
-    """Mark a one-rank step's merger's records as merged alone, as a one-rank plan's are.
-
-    A device kernel (``MPITREE_KERNEL=triton`` on CUDA) then keeps a layer's
-    records on the device and finishes its output there, in the layout
-    transformers takes: nothing goes through the host (the merge of one rank is
-    the identity).
-    """
-    records = merger.records
-    if merger.kind.host_memory and not alone(records):
-        merged_alone(records)
 
 
 def _check_step(query, key, value, scaling, sharding, recipe, sharded):
