@@ -63,6 +63,15 @@ def tensors(prob, rank, device="cpu"):
     return q, k, v, kw
 
 
+def assert_reference(prob, out, lse):
+    """``out`` and ``lse`` (numpy) against ``prob``'s float64 reference; empty rows' lse -inf."""
+    ref_out, ref_lse = prob.reference()
+    assert_allclose(out, ref_out, atol=2e-5, rtol=0)
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse), empty)
+    assert_allclose(lse[~empty], ref_lse[~empty], rtol=2e-6, atol=2e-6)
+
+
 def sizes_of(layout, p):
     """Keys per rank: uneven, every other rank empty, or one rank holding every key."""
     return {
@@ -111,11 +120,7 @@ def test_tree_decode_matches_reference(stand_in, layout):
         out, lse = mpitree.tree_decode(q, k, v, strategy="nccl", return_lse=True, **kw)
     assert isinstance(out, torch.Tensor) and out.device.type == "cpu"
     out, lse = out.numpy(), lse.numpy()
-    ref_out, ref_lse = prob.reference()
-    assert_allclose(out, ref_out, atol=2e-5, rtol=0)
-    empty = np.isneginf(ref_lse)
-    assert np.array_equal(np.isneginf(lse), empty)
-    assert_allclose(lse[~empty], ref_lse[~empty], rtol=2e-6, atol=2e-6)
+    assert_reference(prob, out, lse)
     assert gathered_identical(comm, out) and gathered_identical(comm, lse)
     node = mpitree.tree_decode(q, k, v, strategy="device-node", node_size=comm.size, **kw)
     assert same_bits(out, node.numpy())
@@ -245,11 +250,7 @@ def test_plan_merges_on_the_device(stand_in, strategy, node_size, layout):
     out, lse = steps[0]
     assert isinstance(out, torch.Tensor) and out.device == q.device and out.dtype == q.dtype
     out, lse = out.numpy(), lse.numpy()
-    ref_out, ref_lse = prob.reference()
-    assert_allclose(out, ref_out, atol=2e-5, rtol=0)
-    empty = np.isneginf(ref_lse)
-    assert np.array_equal(np.isneginf(lse), empty)
-    assert_allclose(lse[~empty], ref_lse[~empty], rtol=2e-6, atol=2e-6)
+    assert_reference(prob, out, lse)
     for again, again_lse in steps[1:]:
         assert same_bits(again.numpy(), out) and same_bits(again_lse.numpy(), lse)
     assert same_bits(mpitree.tree_decode(q, k, v, **opts, **kw).numpy(), out)
