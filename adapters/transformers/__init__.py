@@ -40,6 +40,7 @@ from ._generate import Speculation, generate
 from ._prefill import prefill
 from ._sampling import Sampler, sampler
 from ._spec import verify
+from ._static import StaticShardedCache
 
 __all__ = [
     "PLACEMENTS",
@@ -50,6 +51,7 @@ __all__ = [
     "ShardMask",
     "ShardedCache",
     "Speculation",
+    "StaticShardedCache",
     "attention_interface",
     "default_model",
     "generate",

@@ -23,6 +23,7 @@ from mpitree._traffic import hook as phase_hook
 
 from ._cache import View, claim, foreign_shard
 from ._prefill import reserve, sharded_attention
+from ._static_step import attend as static_attend
 
 
 @dataclass(frozen=True)
@@ -929,6 +930,8 @@ def attention_interface(
         out = _unsharded(query, key, value, attention_mask, scaling, error)
         return out.transpose(1, 2).contiguous(), None
     view.error = view.error or error
+    if view.queries is None:  # a StaticShardedCache's decode step: on the device
+        return static_attend(view, query, key, value, attention_mask, scaling), None
     sharding = view.layer.sharding
     signature = None
     agreed = view.step
