@@ -52,7 +52,7 @@ class StaticShardedLayer(ShardedLayer):
     ``C`` the scratch slot, written by a decode step whose token another rank owns and
     never attended. ``counters``: int64 tensors on the device, the global length
     ``(1,)``, this rank's length per batch row ``(B,)`` (the attention's ``kv_len``),
-    and the step's slot and share ``(1,)``, all written in place. ``length`` and
+    the step's slot and share ``(1,)``, all written in place, and a 1 ``(1,)``. ``length`` and
     ``local`` are their host twins, kept by eager steps (a CUDA graph's replays
     advance the device's alone).
     """
@@ -76,8 +76,9 @@ class StaticShardedLayer(ShardedLayer):
         positions = torch.zeros(local + 1, dtype=torch.long, device=self.device)
         self.buffers = (keys, values, positions)
         self.whole = (keys.narrow(2, 0, local), values.narrow(2, 0, local))
-        zeros = (1, b, 1, 1)
+        zeros = (1, b, 1, 1, 1)
         self.counters = tuple(torch.zeros(n, dtype=torch.long, device=self.device) for n in zeros)
+        self.counters[4].fill_(1)  # one: a step adds it (a Python 1 would be a new tensor)
         self.tables = (slot, mine)
         self._narrow()
 
@@ -123,7 +124,7 @@ class StaticShardedLayer(ShardedLayer):
             positions.narrow(0, self.local, n).copy_(owned)
             self.local += n
         self.length = start + new
-        length, lens, _, _ = self.counters
+        length, lens = self.counters[:2]
         length.fill_(self.length)
         lens.fill_(self.local)
         self._narrow()
@@ -137,7 +138,7 @@ class StaticShardedLayer(ShardedLayer):
         :func:`._static_step.attend`, over the whole capacity with the device ``kv_len``.
         """
         keys, values, positions = self.buffers
-        length, lens, slot, share = self.counters
+        length, lens, slot, share, one = self.counters
         at, mine = self.tables
         torch.index_select(at, 0, length, out=slot)
         keys.index_copy_(2, slot, key_states)
@@ -145,13 +146,15 @@ class StaticShardedLayer(ShardedLayer):
         positions.index_copy_(0, slot, length)
         torch.index_select(mine, 0, length, out=share)
         lens.add_(share)
-        length.add_(1)
-        sharding = self.sharding
-        if sharding.owner(start, self.prompt) == sharding.rank:
-            self.local += 1
-            self.positions = positions.narrow(0, 0, self.local)
-        self.length = start + 1
+        length.add_(one)
         self.keys, self.values = self.whole
+        if not (key_states.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # the host twins, for eager steps; a captured step runs nothing until replayed
+            sharding = self.sharding
+            if sharding.owner(start, self.prompt) == sharding.rank:
+                self.local += 1
+                self.positions = positions.narrow(0, 0, self.local)
+            self.length = start + 1
         return View(self.keys, self, None, False, start)
 
     def crop(self, tokens_to_remove):
@@ -162,7 +165,7 @@ class StaticShardedLayer(ShardedLayer):
             return
         self.length = max(self.length + tokens_to_remove, 0)
         self.local = int(self.capacity.tables[4][: self.length].sum())
-        length, lens, _, _ = self.counters
+        length, lens = self.counters[:2]
         length.fill_(self.length)
         lens.fill_(self.local)
         self._narrow()
