@@ -46,6 +46,7 @@ timeout 270 $py tests/run.py --nprocs 1,2,3 --leg-timeout 150 -k "${SELECT:-cuda
     tests/test_cuda_mpi.py tests/test_torch_mpi.py tests/test_cupy_mpi.py \
     tests/test_flash_attn_mpi.py tests/test_triton_decode.py tests/test_triton_mpi.py \
     tests/test_device_node_mpi.py tests/test_nccl_mpi.py tests/test_plan_graph_mpi.py \
+    tests/test_static_cache_mpi.py \
     >"$OUT/tests.log" 2>&1 || status=1
 grep -E "^(FAILED|ERROR)|^E  |mpitree tests:" "$OUT/tests.log" | cut -c1-400 | head -60
 bench() {
