@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from mpitree import extend
@@ -31,6 +33,12 @@ class Capacity:
         self.merger = self.host = None  # the cache's own merger (p > 1), its records as a tensor
         self.mask = None  # the step's mask (its first layer's): later layers are held to it
         self.vis = None  # (B, 1, 1, T) bool over the shard for the step, or None
+
+    def __deepcopy__(self, memo):
+        """Copy the size and tables; a copied cache makes its own merger at its next step."""
+        twin = Capacity(self.size)
+        twin.tables = copy.deepcopy(self.tables, memo)
+        return twin
 
     def table(self, sharding, prompt, device):
         """Return (slot, mine, local capacity, mine on the host) for a cache of ``prompt`` first."""

@@ -174,6 +174,12 @@ def _agree(view, query, key, value, mask, scaling):
         if facts != cap.facts:
             state["checked"] = facts, *_checked(query, key, value, mask, scaling, sharding)
         opts, signature = state["checked"][1:] if state else (cap.opts, cap.signature)
+        padding = getattr(mask, "padding", None)
+        if padding is not None and padding.shape[-1] <= view.start:
+            raise ValueError(
+                f"StaticShardedCache: the padding mask covers {padding.shape[-1]} keys, the "
+                f"step has {view.start + 1}"
+            )
         merge = None
         fresh = ranks > 1 and (bool(state) or cap.merger is None)
         if fresh:
@@ -184,7 +190,8 @@ def _agree(view, query, key, value, mask, scaling):
         code = ("StaticShardedCache step", facts, fresh)
         return extend.Call(signature, opts, merge=merge, key=code, counts=counts)
 
-    call, merger = extend.agree_merger(sharding.comm, prepare, owned=True)
+    like = None if query.is_cpu else query  # CUDA tensors' records: pinned host memory
+    call, merger = extend.agree_merger(sharding.comm, prepare, like=like, owned=True)
     if state:  # checked anew: keep the verdict for the same facts
         cap.facts, cap.opts, cap.signature = state["checked"]
     if merger is not None:  # this rank's records, as the kernel's records are shaped
