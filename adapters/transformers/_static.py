@@ -27,7 +27,7 @@ class Capacity:
 
     def __init__(self, size):
         self.size = size
-        self.tables = None  # (key, slot, mine, local capacity, mine on the host)
+        self.tables = None  # (key, slot, mine, local capacity, mine on the host, held)
         # the facts the last checked step had, its options and signature
         self.facts = self.opts = self.signature = None
         self.merger = self.host = None  # the cache's own merger (p > 1), its records as a tensor
@@ -41,28 +41,35 @@ class Capacity:
         return twin
 
     def table(self, sharding, prompt, device):
-        """Return (slot, mine, local capacity, mine on the host) for a cache of ``prompt`` first."""
+        """Return the tables of a cache whose first step had ``prompt`` tokens.
+
+        ``(slot, mine, local capacity, mine on the host, held)``; ``held`` is the
+        global index each slot of the shard holds (0 in the scratch slot), the same
+        at any length: a rank stores its tokens in global order.
+        """
         key = (prompt, device)
         if self.tables is None or self.tables[0] != key:
             mine = sharding.owners(0, self.size, prompt) == sharding.rank
             local = int(mine.sum())
             slot = torch.full((self.size,), local, dtype=torch.long)
             slot[mine] = torch.arange(local)
-            self.tables = (key, slot.to(device), mine.long().to(device), local, mine)
+            held = torch.cat([mine.nonzero()[:, 0], torch.zeros(1, dtype=torch.long)])
+            on = (slot.to(device), mine.long().to(device), local, mine, held.to(device))
+            self.tables = (key, *on)
         return self.tables[1:]
 
 
 class StaticShardedLayer(ShardedLayer):
     """One layer's shard in buffers of fixed capacity, written at a device index.
 
-    ``buffers``: keys and values ``(B, Hkv, C + 1, D)`` and the global index of each
-    slot ``(C + 1,)``, where ``C`` is the rank's share of ``max_cache_len`` and slot
-    ``C`` the scratch slot, written by a decode step whose token another rank owns and
-    never attended. ``counters``: int64 tensors on the device, the global length
-    ``(1,)``, this rank's length per batch row ``(B,)`` (the attention's ``kv_len``),
-    the step's slot and share ``(1,)``, all written in place, and a 1 ``(1,)``. ``length`` and
-    ``local`` are their host twins, kept by eager steps (a CUDA graph's replays
-    advance the device's alone).
+    ``buffers``: keys and values ``(B, Hkv, C + 1, D)`` and the global index each
+    slot holds ``(C + 1,)`` (fixed by the placement), where ``C`` is the rank's share
+    of ``max_cache_len`` and slot ``C`` the scratch slot, written by a decode step
+    whose token another rank owns and never attended. ``counters``: int64 tensors on
+    the device, the global length ``(1,)``, this rank's length per batch row ``(B,)``
+    (the attention's ``kv_len``), the step's slot and share ``(1,)``, all written in
+    place, and a 1 ``(1,)``. ``length`` and ``local`` are their host twins, kept by
+    eager steps (a CUDA graph's replays advance the device's alone).
     """
 
     def __init__(self, sharding, capacity):
@@ -70,19 +77,18 @@ class StaticShardedLayer(ShardedLayer):
         self.capacity = capacity
         self.local = 0
         self.buffers = self.counters = self.whole = self.tables = None
-        self.work = None  # the attention's (records, output, scratch), made once (_static_step)
+        self.work = None  # the attention's (records, output, scratch, facts): _static_step
 
     def lazy_initialization(self, key_states, value_states):
         """Allocate the buffers at full capacity for the first step's ``prompt``."""
         super().lazy_initialization(key_states, value_states)
         self.prompt = int(key_states.shape[2])
         cap = self.capacity
-        slot, mine, local, _ = cap.table(self.sharding, self.prompt, self.device)
+        slot, mine, local, _, held = cap.table(self.sharding, self.prompt, self.device)
         b, h = key_states.shape[:2]
         keys = key_states.new_zeros(b, h, local + 1, key_states.shape[3])
         values = value_states.new_zeros(b, h, local + 1, value_states.shape[3])
-        positions = torch.zeros(local + 1, dtype=torch.long, device=self.device)
-        self.buffers = (keys, values, positions)
+        self.buffers = (keys, values, held)
         self.whole = (keys.narrow(2, 0, local), values.narrow(2, 0, local))
         zeros = (1, b, 1, 1, 1)
         self.counters = tuple(torch.zeros(n, dtype=torch.long, device=self.device) for n in zeros)
@@ -113,7 +119,7 @@ class StaticShardedLayer(ShardedLayer):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        keys, values, positions = self.buffers
+        keys, values, _ = self.buffers
         for x, buf in ((key_states, keys), (value_states, values)):
             if x.shape[:2] != buf.shape[:2] or x.shape[3] != buf.shape[3] or x.dtype != buf.dtype:
                 raise ValueError(
@@ -129,7 +135,6 @@ class StaticShardedLayer(ShardedLayer):
             n = owned.numel()
             keys.narrow(2, self.local, n).copy_(key_states.index_select(2, take))
             values.narrow(2, self.local, n).copy_(value_states.index_select(2, take))
-            positions.narrow(0, self.local, n).copy_(owned)
             self.local += n
         self.length = start + new
         length, lens = self.counters[:2]
@@ -151,7 +156,6 @@ class StaticShardedLayer(ShardedLayer):
         torch.index_select(at, 0, length, out=slot)
         keys.index_copy_(2, slot, key_states)
         values.index_copy_(2, slot, value_states)
-        positions.index_copy_(0, slot, length)
         torch.index_select(mine, 0, length, out=share)
         lens.add_(share)
         length.add_(one)
