@@ -60,6 +60,22 @@ def test_generate_matches_one_process(placement, block_size, padded, triton_sele
     assert triton_selected["records"] >= 5 * LAYERS  # the decode steps' records: Triton's
 
 
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_without_the_triton_kernel_every_step_takes_the_checked_path(monkeypatch):
+    """No MPITREE_KERNEL: a static cache's steps take ShardedCache's path over the tokens
+    held (not capturable), with the same tokens and logits as one process's."""
+    monkeypatch.delenv("MPITREE_KERNEL", raising=False)
+    model, eager = models()
+    ids, mask = prompt(9, True)
+    cache = mtt.StaticShardedCache(model.config, max_cache_len=CAPACITY, block_size=2)
+    got = greedy(model, ids, mask, cache, 4)
+    want = greedy(eager, ids, mask, None, 4)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits, strict=True):
+        assert_allclose(a.numpy(), b.numpy(), atol=2e-5, rtol=0)
+    assert cache.capacity.facts is None  # no step took the device path
+
+
 def decode_loop(model, cache, ids, steps, before=None):
     """Prefill ``ids``, then ``steps`` greedy decode steps; ``before(cache)`` runs before each.
 
