@@ -14,6 +14,10 @@ reduction, so the outputs equal one process's::
     mtt.prefill(model, input_ids[:, :-1], cache)    # optional: shard the prompt's work
     out = model.generate(input_ids, cache=cache, do_sample=False)
 
+A :class:`StaticShardedCache` (``max_cache_len=``) holds the shards in buffers of fixed
+capacity: with ``MPITREE_KERNEL=triton`` its decode step runs on the device with no host
+read, and at one rank a CUDA graph can capture the model's decode forward.
+
 Queries are computed on every rank (the dense layers are replicated); only the
 attention over the cache is split. Under :func:`prefill` the dense work of the
 prompt is split too. Without a ShardedCache (``use_cache=False``, or transformers'

@@ -190,7 +190,7 @@ def _agree(view, query, key, value, mask, scaling):
         code = ("StaticShardedCache step", facts, fresh)
         return extend.Call(signature, opts, merge=merge, key=code, counts=counts)
 
-    like = None if query.is_cpu else query  # CUDA tensors' records: pinned host memory
+    like = None if query.is_cpu or ranks == 1 else query  # CUDA records merge from pinned memory
     call, merger = extend.agree_merger(sharding.comm, prepare, like=like, owned=True)
     if state:  # checked anew: keep the verdict for the same facts
         cap.facts, cap.opts, cap.signature = state["checked"]
