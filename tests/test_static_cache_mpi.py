@@ -20,6 +20,7 @@ from test_triton_decode import (
     kernel,
     triton_selected,  # noqa: F401  (a fixture)
 )
+from transformers.masking_utils import causal_mask_function
 
 from mpitree import RankError
 
@@ -293,6 +294,28 @@ def test_one_ranks_bad_step_raises_on_every_rank(triton_selected):  # noqa: F811
     with pytest.raises((ValueError, RankError)):
         mtt.attention_interface(None, q, keys, values, None)
     assert layer.length == 6  # rolled back to where it was
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_a_padding_mask_short_of_the_capacity_raises_on_every_rank(triton_selected):  # noqa: F811
+    """The padding is gathered over the whole capacity: one that covers less is refused."""
+    model, _ = models()
+    ids, _ = prompt(5, False)
+    cache = mtt.StaticShardedCache(max_cache_len=CAPACITY)
+    decode_loop(model, cache, ids, 1)
+    k = torch.zeros(2, 2, 1, 16)
+    q = torch.zeros(2, 4, 1, 16)
+    for cover, fails in ((CAPACITY - 1, True), (CAPACITY, False)):
+        keys, values = cache.update(k, k, 0)
+        padding = torch.ones(2, cover, dtype=torch.bool)
+        mask = mtt.ShardMask(causal_mask_function, 2, False, padding=padding)
+        if fails:
+            with pytest.raises(ValueError, match=f"max_cache_len={CAPACITY}"):
+                mtt.attention_interface(None, q, keys, values, mask)
+            assert cache.get_seq_length() == 6
+        else:
+            out, _ = mtt.attention_interface(None, q, keys, values, mask)
+            assert out.shape == (2, 1, 4, 16) and bool(torch.isfinite(out).all())
 
 
 def capture_setup(device, dtype):

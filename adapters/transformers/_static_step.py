@@ -175,10 +175,10 @@ def _agree(view, query, key, value, mask, scaling):
             state["checked"] = facts, *_checked(query, key, value, mask, scaling, sharding)
         opts, signature = state["checked"][1:] if state else (cap.opts, cap.signature)
         padding = getattr(mask, "padding", None)
-        if padding is not None and padding.shape[-1] <= view.start:
+        if padding is not None and padding.shape[-1] < cap.size:  # gathered over the capacity
             raise ValueError(
-                f"StaticShardedCache: the padding mask covers {padding.shape[-1]} keys, the "
-                f"step has {view.start + 1}"
+                f"StaticShardedCache: the padding mask covers {padding.shape[-1]} keys, not "
+                f"its max_cache_len={cap.size}"
             )
         merge = None
         fresh = ranks > 1 and (bool(state) or cap.merger is None)
