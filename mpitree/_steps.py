@@ -439,8 +439,8 @@ class Step:
         """Run a plan step's local work: check ``args`` against the plan, write the records.
 
         Fast path: a step with the layout of the last step that passed the full
-        checks, and no positions or mask, checks only what can change within a
-        layout (:meth:`KernelSlot.step`) and runs the bound kernel.
+        checks, and no positions, checks only what can change within a layout
+        (:meth:`KernelSlot.step`) and runs the bound kernel.
         """
         args = self.args
         kernel = self.kernel
@@ -448,8 +448,7 @@ class Step:
             self.fast
             and args[4] is None
             and args[5] is None
-            and args[6] is None
-            and kernel.step(args[0], args[1], args[2], args[3], records)
+            and kernel.step(args[0], args[1], args[2], args[3], records, args[6])
         ):
             return
         kernel.unbind()
@@ -458,11 +457,10 @@ class Step:
         if (
             args[4] is None
             and args[5] is None
-            and args[6] is None
             and records.dtype == np.float32
             and records.flags.c_contiguous
         ):
-            kernel.bind(att, args[3])  # no positions or mask: the next steps' kernel
+            kernel.bind(att, args[3], args[6])  # no positions: the next steps' kernel
 
     @property
     def q_len(self):
