@@ -362,7 +362,7 @@ class Prepared:
             return None
         return cls(lib, q, k, v, scale, ks, vs)
 
-    def run_raw(self, q, k, v, t, out):
+    def run_raw(self, q, k, v, t, out, lens=None, vis=None):
         """Run the kernel on raw data addresses of the bound layout, with ``T = t``.
 
         Unchecked: nothing about the memory behind the addresses is verified. A
@@ -381,12 +381,19 @@ class Prepared:
             The shard length ``T`` (keys per row), ``t >= 0``.
         out : int
             Address of the float32 ``(B * Hq * Sq, D + 2)`` records, C order.
+        lens, vis : numpy.ndarray or None
+            As :meth:`run` takes them (arrays, not addresses).
         """
         observer = hook.observer
         if observer is not None and observer.enter("kernel"):
-            return observer.timed("kernel", self.run_raw, q, k, v, t, out)
+            return observer.timed("kernel", self.run_raw, q, k, v, t, out, lens, vis)
         args = self.args
-        args.t, args.lens, args.vis, args.vis_heads = t, None, None, 0
+        args.t = t
+        args.lens = None if lens is None else address(lens)
+        if vis is None:
+            args.vis, args.vis_heads = None, 0
+        else:
+            args.vis, args.vis_heads = address(vis), vis.shape[1]
         self._fn(self._ref, q, k, v, out, self._sp)
 
     def run(self, q, k, v, lens, out, vis=None):

@@ -155,37 +155,54 @@ class KernelSlot:
         """Run no step bound until the next :meth:`bind`."""
         self._layout = None
 
-    def step(self, q, k, v, kv_len, records, mask=None):
-        """Run a step with the bound :func:`_layout` if the checks of its lengths pass.
+    def ready(self, q, k, v, kv_len, mask=None, fitted=False):
+        """Whether a step may run bound; where it may, its ``kv_len`` is in the slot's lengths.
 
         Equal layouts pass the same checks but those that can change within a
         layout: K, V and the mask agree on ``T``, the step is not a prompt
-        (:meth:`takes`), ``kv_len`` is in range. Returns False, having run
-        nothing, where one fails (or the layout differs): the caller's full
-        checks then decide. The arrays are held until the next step (a plan's
-        cache usually repeats them).
+        (:meth:`takes`), ``kv_len`` is in range (copied into the slot's int64
+        lengths, which the bound kernel reads while the bound layout has
+        lengths). False where one fails (or the layout differs): the caller's
+        full checks then decide. ``fitted``: the caller found the arrays'
+        :func:`_layout` equal to the bound one (a one-shot step's memo key is the
+        layout its slot bound), which is then not computed again.
         """
-        if not _fits(self._layout, q, k, v, kv_len, mask):
+        layout = self._layout
+        if layout is None or (not fitted and _layout(q, k, v, kv_len, mask) != layout):
             return False
         t = k.shape[2]
+        if v.shape[2] != t or (mask is not None and mask.shape[3] != t):
+            return False
         b, hq, sq = self._rows
         if sq != 1 and self.prompt(b, hq, sq, t):  # :meth:`takes`, inline
             return False
-        lens = None
-        if kv_len is not None:
-            lens = self._prepared.lens
-            if not _lengths_fit(kv_len, lens, t):
-                return False  # the full checks raise the error
+        return kv_len is None or _lengths_fit(kv_len, self._prepared.lens, t)
+
+    def step(self, q, k, v, kv_len, records, mask=None):
+        """Run a step with the bound :func:`_layout` where :meth:`ready`; return whether it ran.
+
+        The arrays are held until the next step (a plan's cache usually repeats them).
+        """
+        if not self.ready(q, k, v, kv_len, mask):
+            return False
+        lens = None if kv_len is None else self._prepared.lens
         self._prepared.run(q, k, v, lens, records, mask)
         return True
 
-    def run_unheld(self, q, k, v, records):
-        """Run the bound kernel with no lengths, holding none of the step's arrays afterwards."""
+    def run_unheld(self, q, k, v, records, mask=None):
+        """Run the bound kernel after :meth:`ready`, holding none of the step's arrays afterwards.
+
+        Its lengths are the slot's (those :meth:`ready` copied in) where the bound
+        layout has lengths.
+        """
         if records is not self._out[0]:  # a merger hands the same buffer every call
             self._out = (records, address(records))
-        self._prepared.run_raw(address(q), address(k), address(v), k.shape[2], self._out[1])
+        lens = None if self._layout[-1] is None else self._prepared.lens
+        self._prepared.run_raw(
+            address(q), address(k), address(v), k.shape[2], self._out[1], lens, mask
+        )
 
-    def load(self, q, k, v, kv_len, call, mask=None):
+    def load(self, q, k, v, kv_len, call, mask=None, fitted=False):
         """Set a compiled step's arrays for a step with the bound layout.
 
         As :meth:`step`, for the struct :meth:`point` keeps aimed at the bound
@@ -196,20 +213,12 @@ class KernelSlot:
         points at while the bound layout has lengths), sets ``call``'s ``q``,
         ``k``, ``v``, ``t`` and visibility (the mask, or none), and returns
         True; otherwise False, ``call`` untouched (the caller's checked path
-        decides). Checks nothing else.
+        decides). Checks nothing else (``fitted``: as :meth:`ready` takes it).
         """
-        if not _fits(self._layout, q, k, v, kv_len, mask):
+        if not self.ready(q, k, v, kv_len, mask, fitted):
             return False
-        t = k.shape[2]
-        b, hq, sq = self._rows
-        if sq != 1 and self.prompt(b, hq, sq, t):  # :meth:`takes`, inline
-            return False
-        if kv_len is not None and not _lengths_fit(kv_len, self._prepared.lens, t):
-            return False  # the full checks raise the error
-        call.q, call.k, call.v, call.t = address(q), address(k), address(v), t
-        if mask is None:
-            call.vis, call.vis_heads = None, 0
-        else:
+        call.q, call.k, call.v, call.t = address(q), address(k), address(v), k.shape[2]
+        if mask is not None:  # a layout without one: its NULL is set when it is bound
             call.vis, call.vis_heads = address(mask), mask.shape[1]
         return True
 
@@ -228,11 +237,13 @@ class KernelSlot:
         """Copy the bound kernel's arguments and scratch address into ``call``.
 
         ``call.lens`` points at the slot's int64 lengths where the bound layout has
-        ``kv_len`` (:meth:`load` fills them each step), else is NULL.
+        ``kv_len`` (:meth:`load` fills them each step), else is NULL; ``call.vis``
+        is NULL until :meth:`load` points it at a step's mask.
         """
         prepared, layout = self._prepared, self._layout
         call.args, call.scratch = prepared.args, address(prepared.scratch)
         call.lens = None if layout is None or layout[-1] is None else address(prepared.lens)
+        call.vis, call.vis_heads = None, 0
 
     def fill(self, att, records):
         """Write ``att``'s state into host records ``(rows, D + 2)``, as :meth:`Attention.fill`."""
@@ -339,11 +350,3 @@ def _mask_layout(mask):
     if type(mask) is not np.ndarray or mask.dtype != np.bool_ or mask.ndim != 4:
         return None
     return mask.shape[:3] if mask.flags.c_contiguous else None
-
-
-def _fits(layout, q, k, v, kv_len, mask):
-    """Whether a step's arrays have the bound ``layout`` and K, V and the mask agree on T."""
-    if layout is None or _layout(q, k, v, kv_len, mask) != layout:
-        return False
-    t = k.shape[2]
-    return v.shape[2] == t and (mask is None or mask.shape[3] == t)
