@@ -10,30 +10,24 @@ and a mask of the wrong length on one rank beside compiled steps.
 
 import numpy as np
 import pytest
-from helpers import gathered_identical, world
-from numpy.testing import assert_allclose
+from helpers import (
+    assert_gathered_reference,
+    compiled_runs,
+    gathered_identical,
+    rank_cache,
+    world,
+)
 
 import mpitree
-from mpitree import extend, reference_attention
+from mpitree import extend
 
 NPROCS = [1, 2, 3]
 B, HQ, HKV, SQ, DIM = 2, 4, 2, 4, 8
 
 
-def compiled_runs(plan):
-    """Count ``plan``'s compiled calls in the returned list."""
-    runs, compiled = [], plan._compiled
-    if compiled is not None:
-        run = compiled.run
-        compiled.run = lambda out: runs.append(1) or run(out)
-    return runs
-
-
 def shard(comm, cap, seed):
     """This rank's clean ``(B, HKV, cap, DIM)`` K and V."""
-    rng = np.random.default_rng([seed, comm.rank])
-    k = rng.standard_normal((B, HKV, cap, DIM)).astype(np.float32)
-    return k, rng.standard_normal(k.shape).astype(np.float32)
+    return rank_cache(comm, (B, HKV, cap, DIM), seed)
 
 
 def tree_mask(comm, heads, t, seed):
@@ -62,18 +56,6 @@ def poisoned(k, v, visible):
     k[np.broadcast_to(hidden[:, None, :, None], k.shape)] = np.nan
     v[np.broadcast_to(hidden[:, None, :, None], v.shape)] = np.inf
     return k, v
-
-
-def check_against_reference(comm, q, k, v, visible, out, lse):
-    """``out`` and ``lse`` against the float64 reference over every rank's keys."""
-    vis = np.concatenate(comm.allgather(visible), axis=3)
-    keys = np.concatenate(comm.allgather(k), axis=2).astype(np.float64)
-    values = np.concatenate(comm.allgather(v), axis=2).astype(np.float64)
-    ref, ref_lse = reference_attention(q, keys, values, visible=vis)
-    fin = np.isfinite(ref_lse)
-    assert_allclose(out[fin], ref[fin], atol=3e-5, rtol=0)
-    assert_allclose(lse[fin], ref_lse[fin], atol=1e-4, rtol=1e-5)
-    assert (lse[~fin] == -np.inf).all() and not out[~fin].any() and not np.isnan(out).any()
 
 
 def query(step):
@@ -114,7 +96,7 @@ def test_a_mask_runs_compiled_with_the_guarded_bits(heads, lengths):
             assert np.array_equal(out, out_py) and np.array_equal(lse, lse_py)
             assert np.array_equal(out, full) and np.array_equal(lse, full_lse)
             assert gathered_identical(comm, out)
-            check_against_reference(comm, q, clean_k, clean_v, visible, out, lse)
+            assert_gathered_reference(comm, q, clean_k, clean_v, visible, out, lse)
     # each full-checks step binds again: every step after the first runs compiled
     assert len(runs) == (3 if plan._compiled is not None else 0), runs
 
@@ -161,7 +143,7 @@ def test_the_bound_mask_follows_every_layout():
             with extend.tools.full_checks():
                 full, full_lse = plan.decode(q, k, v, mask=given, return_lse=True)
             assert np.array_equal(out, full) and np.array_equal(lse, full_lse), step
-            check_against_reference(comm, q, clean_k, clean_v, visible, out, lse)
+            assert_gathered_reference(comm, q, clean_k, clean_v, visible, out, lse)
     if plan._compiled is not None:  # the full-checks step before each binds it again
         assert lane == [0, 1, 1, 0, 1, 0, 1, 0, 0, 0, 0, 0, 1, 0, 1], lane
 

@@ -6,7 +6,7 @@ import weakref
 
 import numpy as np
 import pytest
-from helpers import counted_lane_calls, lane_expected, world
+from helpers import assert_gathered_reference, counted_lane_calls, lane_expected, world
 from numpy.testing import assert_allclose
 
 import mpitree
@@ -540,18 +540,6 @@ def fixed_capacity(comm, steps, b=2, hq=4, hkv=2, sq=3, d=16, cap=9, seed=5):
         yield q.astype(np.float32), k, v, used, mask, ~past, (clean_k, clean_v)
 
 
-def assert_gathered_reference(comm, q, clean, visible, out):
-    """``out`` against the float64 reference over every rank's clean keys, rows seeing
-    ``visible`` ``(B, 1, Sq, T)``; a row that sees no key anywhere is 0."""
-    keys = np.concatenate(comm.allgather(clean[0]), axis=2).astype(np.float64)
-    values = np.concatenate(comm.allgather(clean[1]), axis=2).astype(np.float64)
-    vis = np.concatenate(comm.allgather(np.ascontiguousarray(visible)), axis=3)
-    ref, lse = reference_attention(q, keys, values, visible=vis)
-    fin = np.isfinite(lse)
-    assert_allclose(out[fin], ref[fin], atol=2e-5, rtol=0)
-    assert not out[~fin].any() and not np.isnan(out).any()
-
-
 @pytest.mark.parallel(nprocs=NPROCS)
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_a_recurring_tree_decode_with_kv_len_takes_its_lane(with_mask, decode_lane_calls):
@@ -566,7 +554,7 @@ def test_a_recurring_tree_decode_with_kv_len_takes_its_lane(with_mask, decode_la
         # return_lse takes the guarded path (its local step the same bound kernel)
         guarded, _ = mpitree.tree_decode(q, k, v, comm, kv_len=used, mask=given, return_lse=True)
         assert np.array_equal(out, guarded)
-        assert_gathered_reference(comm, q, clean, np.broadcast_to(visible, mask.shape), out)
+        assert_gathered_reference(comm, q, *clean, visible, out)
     assert len(decode_lane_calls) == (4 if lane_expected(comm) else 0)
 
 
