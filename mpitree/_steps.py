@@ -79,8 +79,9 @@ _I64x3 = ctypes.c_int64 * 3
 class Layout(NamedTuple):
     """What a one-shot call's checks and agreement depend on but the shard length.
 
-    Two calls with equal layouts pass the same checks (those on ``T`` aside) and
-    agree on the same signature: the memo's key (see :class:`Step`).
+    Two calls with equal layouts pass the same checks (those on ``T`` and
+    ``kv_len``'s range aside) and agree on the same signature: the memo's key (see
+    :class:`Step`).
 
     Attributes
     ----------
@@ -92,7 +93,7 @@ class Layout(NamedTuple):
     options : tuple
         :func:`options_key` of the call's options.
     arrays : tuple
-        ``tree_decode``: :func:`~._step._layout` of ``q, k, v``;
+        ``tree_decode``: :func:`~._step._layout` of ``q, k, v``, ``kv_len`` and the mask;
         ``allreduce_state``: the records' shape.
     dtype : numpy.dtype or None
         ``allreduce_state``: the records' dtype (``tree_decode``'s is in ``arrays``).
