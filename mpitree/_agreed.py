@@ -15,6 +15,8 @@ from ._strategies import resolve
 
 _recent: OrderedDict = OrderedDict()  # id(merge) -> _Kept: the last few shared mergers
 _RECENT_SIZE = 8
+# the last (signature, merge) pair :func:`with_merge_fields` found complete (nothing to add)
+_complete = [None, None]
 
 
 class _Kept:
@@ -104,7 +106,7 @@ def _staged(prepare, like, dtype=None):
     """
 
     def staged():
-        call = _merged(prepare())
+        call = with_merge_fields(prepare())
         buffer = buffer_kind(call.merge, like, dtype)
         kind = _staging(like)
         if kind is None and buffer in (None, "host"):
@@ -119,7 +121,7 @@ def _staged(prepare, like, dtype=None):
     return staged
 
 
-def _merged(call):
+def with_merge_fields(call):
     """Return ``call`` with what its merger depends on agreed too, where its signature lacks it.
 
     The merger is built from ``call.merge``: ranks whose ``(rows, head_dim, acc)``
@@ -128,9 +130,11 @@ def _merged(call):
     names them (a :class:`Problem`'s, with its ``head_dim``, and the options'); an
     adapter's that does not still has them agreed (a call's key determines its
     ``merge`` as it does its signature): each option it lacks, and the merge's
-    sizes where it names no ``head_dim``.
+    sizes where it names no ``head_dim``. An adapter's kept template that has them
+    already (the transformers layer's, made complete with this once) costs one
+    identity test a call.
     """
-    if call.merge is None:
+    if call.merge is None or (call.signature is _complete[0] and call.merge is _complete[1]):
         return call
     rows, head_dim, acc, opts = call.merge
     signature = call.signature
@@ -139,6 +143,8 @@ def _merged(call):
         agreed["merge"] = (rows, head_dim, acc)
     missing = {name: value for name, value in agreed.items() if name not in signature}
     if not missing:
+        # held (so neither id is reused): a kept template's next call skips the look
+        _complete[:] = signature, call.merge
         return call
     return dataclasses.replace(call, signature={**signature, **missing})
 

@@ -50,9 +50,11 @@ def _decode_lane(
     """:meth:`DecodePlan.decode`'s lane: the plan's step in one compiled call; else None.
 
     It runs where the plan's step is bound once (:meth:`Step.compile
-    <mpitree._steps.Step.compile>`), the step has no positions, mask or placement
-    (``return_lse`` a bool; ``out``, if given, a writeable C-contiguous float32
-    numpy array of q's shape), the fast path is on (no :class:`full_checks`
+    <mpitree._steps.Step.compile>`), the step has no positions or placement, and
+    a mask only as the kernel reads it (a C-contiguous bool numpy array
+    ``(B, Hm, Sq, T)`` of the bound ``(B, Hm, Sq)``; ``return_lse`` a bool;
+    ``out``, if given, a writeable C-contiguous float32 numpy array of q's
+    shape), the fast path is on (no :class:`full_checks`
     block) and no observer is on the phase hook (``phase_times`` times the
     guarded path's phases), and its arrays, ``kv_len`` included (None, or a
     numpy integer array of the bound dtype and shape ``(B,)`` with every value
@@ -72,13 +74,12 @@ def _decode_lane(
             compiled is None
             or q_pos is not None
             or k_pos is not None
-            or mask is not None
             or (return_lse is not False and return_lse is not True)
             or kv_start is not None
             or kv_blocks is not None
             or not FAST_PATH
             or hook.observer is not None
-            or not plan._step.kernel.load(q, k, v, kv_len, compiled.struct)
+            or not plan._step.kernel.load(q, k, v, kv_len, compiled.struct, mask)
         ):
             return None
         out = lane_output(out, q.shape)
@@ -104,8 +105,9 @@ class DecodePlan:
     :meth:`decode` then pays only for local attention and one collective, which
     also carries every rank's verdict on its own inputs; a step over host float32
     numpy arrays with the layout of the last step that passed the full checks
-    (``kv_len`` allowed, no positions or mask) runs as one compiled call where the
-    merge is one persistent all-reduce or there is one rank (its step bound once).
+    (``kv_len`` and a C-contiguous bool ``(B, Hm, Sq, T)`` mask allowed, no
+    positions) runs as one compiled call where the merge is one persistent
+    all-reduce or there is one rank (its step bound once).
     Free it with :meth:`free` or a ``with`` block; a plan that is dropped frees its
     request when it is collected.
 

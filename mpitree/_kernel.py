@@ -362,7 +362,7 @@ class Prepared:
             return None
         return cls(lib, q, k, v, scale, ks, vs)
 
-    def run_raw(self, q, k, v, t, out):
+    def run_raw(self, q, k, v, t, out, lens=None, vis=None):
         """Run the kernel on raw data addresses of the bound layout, with ``T = t``.
 
         Unchecked: nothing about the memory behind the addresses is verified. A
@@ -381,15 +381,22 @@ class Prepared:
             The shard length ``T`` (keys per row), ``t >= 0``.
         out : int
             Address of the float32 ``(B * Hq * Sq, D + 2)`` records, C order.
+        lens, vis : numpy.ndarray or None
+            As :meth:`run` takes them (arrays, not addresses).
         """
         observer = hook.observer
         if observer is not None and observer.enter("kernel"):
-            return observer.timed("kernel", self.run_raw, q, k, v, t, out)
-        self.args.t = t
-        self.args.lens = None
+            return observer.timed("kernel", self.run_raw, q, k, v, t, out, lens, vis)
+        args = self.args
+        args.t = t
+        args.lens = None if lens is None else address(lens)
+        if vis is None:
+            args.vis, args.vis_heads = None, 0
+        else:
+            args.vis, args.vis_heads = address(vis), vis.shape[1]
         self._fn(self._ref, q, k, v, out, self._sp)
 
-    def run(self, q, k, v, lens, out):
+    def run(self, q, k, v, lens, out, vis=None):
         """Write the records of ``q`` over ``(k, v)`` into ``out``.
 
         Unchecked: the caller has validated the arrays (shapes, dtype, strides
@@ -411,10 +418,13 @@ class Prepared:
         out : numpy.ndarray
             float32 ``(B * Hq * Sq, D + 2)`` records (any shape of that size),
             C-contiguous; written, one record ``(m, n, d...)`` per query row.
+        vis : numpy.ndarray or None
+            bool ``(B, Hm, Sq, T)``, C-contiguous, ``Hm`` 1 or Hq: the keys each
+            row sees (True); None for every key.
         """
         observer = hook.observer
         if observer is not None and observer.enter("kernel"):
-            return observer.timed("kernel", self.run, q, k, v, lens, out)
+            return observer.timed("kernel", self.run, q, k, v, lens, out, vis)
         if k is not self._k:  # a cache is usually the same array step after step
             self._k, self._kp = k, address(k)
         if v is not self._v:
@@ -424,6 +434,10 @@ class Prepared:
         args = self.args
         args.t = k.shape[2]
         args.lens = None if lens is None else address(lens)
+        if vis is None:
+            args.vis, args.vis_heads = None, 0
+        else:
+            args.vis, args.vis_heads = address(vis), vis.shape[1]
         self._fn(self._ref, address(q), self._kp, self._vp, self._op, self._sp)
 
 

@@ -19,7 +19,7 @@ from ._records import RecordsMerge
 from ._registry import REGISTRY
 from ._runtime import limit_blas_threads
 from ._state import State, finish, trusted_state
-from ._step import KernelSlot, _layout, prepare_attention
+from ._step import _layout, prepare_attention
 from ._steps import STEPS, Layout, options_key, remember
 
 # the entry points' own names: a step's compiled form is bound only from an outermost call
@@ -52,13 +52,15 @@ def _decode_step(
     kv_start=None,
     kv_blocks=None,
 ):
-    """``tree_decode``'s lane: its bound :class:`Step` in one compiled call; else None."""
+    """``tree_decode``'s lane: its bound :class:`Step` in one compiled call; else None.
+
+    ``kv_len`` and a mask join it as a plan's lane takes them (:meth:`KernelSlot.load
+    <mpitree._step.KernelSlot.load>`).
+    """
     if (
         not STEPS
-        or kv_len is not None
         or q_pos is not None
         or k_pos is not None
-        or mask is not None
         or return_lse is not False
         or validate is not False
         or block_size is not None
@@ -69,21 +71,18 @@ def _decode_step(
     try:
         options = options_key(strategy, scale, deterministic, node_size)
         # a plain tuple equal to the Layout (a Layout is one): no constructor on the hot path
-        step = STEPS.get((_DECODE_ENTRY, id(comm), options, _layout(q, k, v, None), None))
+        step = STEPS.get((_DECODE_ENTRY, id(comm), options, _layout(q, k, v, kv_len, mask), None))
         merger = None if step is None else step.open(comm)
-        if merger is None:
-            return None
-        t = k.shape[2]
-        b, hq, sq = step.rows
-        if v.shape[2] != t or (sq != 1 and KernelSlot.prompt(b, hq, sq, t)):
-            return None  # K and V lengths differ, or a prompt: the full checks decide
+        # the compiled form: this call's arrays, shard length, lengths and mask (the step's
+        # slot bound the layout of its key)
+        struct = None if merger is None else step.compiled.struct
+        if struct is None or not step.kernel.load(q, k, v, kv_len, struct, mask, fitted=True):
+            return None  # lengths out of range, or a prompt: the full checks decide
         out = np.empty(q.shape, np.float32)
-        struct = step.compiled.struct  # the compiled form: this call's arrays and shard length
-        struct.q, struct.k, struct.v = address(q), address(k), address(v)
-        struct.t, target = t, address(out)
+        target = address(out)
     except Exception:  # nothing has communicated: the guarded path decides
         return None
-    settled = step.finish(merger, target, lambda call: step.decoded(call, q, k, v))
+    settled = step.finish(merger, target, lambda call: step.decoded(call, q, k, v, mask))
     return out if settled is None else settled
 
 
@@ -201,16 +200,15 @@ def tree_decode(
 
     layout = None
     if (
-        kv_len is None
-        and q_pos is None
+        q_pos is None
         and k_pos is None
-        and mask is None
         and kv_start is None
         and kv_blocks is None
         and validate is False
         and block_size is None
     ):
-        key, arrays = options_key(strategy, scale, deterministic, node_size), _layout(q, k, v, None)
+        key = options_key(strategy, scale, deterministic, node_size)
+        arrays = _layout(q, k, v, kv_len, mask)
         if key is not None and arrays is not None:
             layout = Layout(_DECODE_ENTRY, id(comm_arg), key, arrays)
 
@@ -218,7 +216,7 @@ def tree_decode(
         if layout is not None:
             found = STEPS.get(layout)
             if found is not None:
-                call = found.prepare(q, k, v)
+                call = found.prepare(q, k, v, kv_len, mask)
                 if call is not None:
                     return call
         problem, opts, step, sig = prepare_attention(q, k, v, kv_len, q_pos, k_pos, mask, options)
@@ -238,7 +236,7 @@ def tree_decode(
         step = functools.partial(_leaf_pieces, step, blocks, opts.block_size, problem.acc)
     records = merger.merge(step).reshape(*problem.row_shape, -1)
     if layout is not None and blocks is None:
-        _keep_decode(layout, call, comm_arg, comm, merger, return_lse)
+        _keep_decode(layout, call, comm_arg, comm, merger, return_lse, kv_len, mask)
     return finish(records, q, return_lse, inputs=(q, k, v))
 
 
@@ -247,9 +245,9 @@ def _leaf_pieces(att, blocks, block_size, acc):
     return local_pieces(blocks, leaf_records(att, block_size, len(blocks), acc))
 
 
-def _keep_decode(layout, call, comm_arg, comm, merger, return_lse):
+def _keep_decode(layout, call, comm_arg, comm, merger, return_lse, kv_len, mask):
     """After a guarded ``tree_decode`` of ``layout``: its :class:`Step`, bound where it may."""
-    step = remember(layout, call)
+    step = remember(layout, call, kv_len, mask)
     entry = current_entry()
     if step is not None and not return_lse and entry == _DECODE_ENTRY:
         step.bind(call, comm_arg, comm, merger, entry)

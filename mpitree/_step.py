@@ -97,8 +97,9 @@ class KernelSlot:
     alone, and gives :meth:`Attention.fill`'s records bitwise. It runs a step
     bound only where :func:`attend` would run its rows as one block
     (:meth:`takes`; a prompt over many keys runs in blocks of rows, whose bits
-    differ), over host float32 inputs with no positions or mask (lengths: only
-    through :meth:`step` and :meth:`load`, which range-checks them).
+    differ), over host float32 inputs with no positions (lengths and a mask
+    as the kernel reads it: only through :meth:`step` and :meth:`load`, which
+    range-check the lengths).
 
     Two ways in: :meth:`fill` takes a checked :class:`Attention` (numpy, or CPU
     torch tensors shared without a copy) and binds on a new layout by itself (a
@@ -131,8 +132,8 @@ class KernelSlot:
         b, hq, sq = self._rows
         return v.shape[2] == t and (sq == 1 or not self.prompt(b, hq, sq, t))
 
-    def bind(self, att, kv_len=None):
-        """Bind to a checked step over numpy arrays (and its ``kv_len``); return whether it can run.
+    def bind(self, att, kv_len=None, mask=None):
+        """Bind to a checked step over numpy arrays (its ``kv_len``, mask); return if it can run.
 
         :meth:`step` then runs the later steps with the same :func:`_layout`. A
         prompt binds nothing: the bound kernel would not run it, nor the steps after
@@ -144,7 +145,8 @@ class KernelSlot:
             self._prepared = None
             return False
         self._prepared = Prepared.of(att.q, att.k, att.v, att.scale)
-        self._layout = None if self._prepared is None else _layout(att.q, att.k, att.v, kv_len)
+        if self._prepared is not None:
+            self._layout = _layout(att.q, att.k, att.v, kv_len, mask)
         if self._layout is not None and self._call is not None:
             self._aim(self._call)
         return self._layout is not None
@@ -153,58 +155,71 @@ class KernelSlot:
         """Run no step bound until the next :meth:`bind`."""
         self._layout = None
 
-    def step(self, q, k, v, kv_len, records):
-        """Run a step with the bound :func:`_layout` if the checks of its lengths pass.
+    def ready(self, q, k, v, kv_len, mask=None, fitted=False):
+        """Whether a step may run bound; where it may, its ``kv_len`` is in the slot's lengths.
 
         Equal layouts pass the same checks but those that can change within a
-        layout: K and V lengths agree, the step is not a prompt (:meth:`takes`),
-        ``kv_len`` is in range. Returns False, having run nothing, where one
-        fails (or the layout differs): the caller's full checks then decide. The
-        arrays are held until the next step (a plan's cache usually repeats them).
+        layout: K, V and the mask agree on ``T``, the step is not a prompt
+        (:meth:`takes`), ``kv_len`` is in range (copied into the slot's int64
+        lengths, which the bound kernel reads while the bound layout has
+        lengths). False where one fails (or the layout differs): the caller's
+        full checks then decide. ``fitted``: the caller found the arrays'
+        :func:`_layout` equal to the bound one (a one-shot step's memo key is the
+        layout its slot bound), which is then not computed again.
         """
         layout = self._layout
-        if layout is None or _layout(q, k, v, kv_len) != layout:
+        if layout is None or (not fitted and _layout(q, k, v, kv_len, mask) != layout):
             return False
         t = k.shape[2]
-        b, hq, sq = self._rows
-        if v.shape[2] != t or (sq != 1 and self.prompt(b, hq, sq, t)):  # :meth:`takes`, inline
+        if v.shape[2] != t or (mask is not None and mask.shape[3] != t):
             return False
-        lens = None
-        if kv_len is not None:
-            lens = self._prepared.lens
-            if not _lengths_fit(kv_len, lens, t):
-                return False  # the full checks raise the error
-        self._prepared.run(q, k, v, lens, records)
+        b, hq, sq = self._rows
+        if sq != 1 and self.prompt(b, hq, sq, t):  # :meth:`takes`, inline
+            return False
+        return kv_len is None or _lengths_fit(kv_len, self._prepared.lens, t)
+
+    def step(self, q, k, v, kv_len, records, mask=None):
+        """Run a step with the bound :func:`_layout` where :meth:`ready`; return whether it ran.
+
+        The arrays are held until the next step (a plan's cache usually repeats them).
+        """
+        if not self.ready(q, k, v, kv_len, mask):
+            return False
+        lens = None if kv_len is None else self._prepared.lens
+        self._prepared.run(q, k, v, lens, records, mask)
         return True
 
-    def run_unheld(self, q, k, v, records):
-        """Run the bound kernel with no lengths, holding none of the step's arrays afterwards."""
+    def run_unheld(self, q, k, v, records, mask=None):
+        """Run the bound kernel after :meth:`ready`, holding none of the step's arrays afterwards.
+
+        Its lengths are the slot's (those :meth:`ready` copied in) where the bound
+        layout has lengths.
+        """
         if records is not self._out[0]:  # a merger hands the same buffer every call
             self._out = (records, address(records))
-        self._prepared.run_raw(address(q), address(k), address(v), k.shape[2], self._out[1])
+        lens = None if self._layout[-1] is None else self._prepared.lens
+        self._prepared.run_raw(
+            address(q), address(k), address(v), k.shape[2], self._out[1], lens, mask
+        )
 
-    def load(self, q, k, v, kv_len, call):
+    def load(self, q, k, v, kv_len, call, mask=None, fitted=False):
         """Set a compiled step's arrays for a step with the bound layout.
 
         As :meth:`step`, for the struct :meth:`point` keeps aimed at the bound
         kernel: where the step may run bound (its layout, ``kv_len``'s dtype and
-        shape included, is the bound one, K and V lengths agree, not a prompt,
-        every ``kv_len`` in ``[0, T]``), it copies ``kv_len`` into the slot's
-        int64 lengths (which ``call.lens`` points at while the bound layout has
-        lengths), sets ``call``'s ``q``, ``k``, ``v`` and ``t``, and returns True;
-        otherwise False, ``call`` untouched (the caller's checked path decides).
-        Checks nothing else.
+        shape and the mask's ``(B, Hm, Sq)`` included, is the bound one, K, V and
+        the mask agree on ``T``, not a prompt, every ``kv_len`` in ``[0, T]``),
+        it copies ``kv_len`` into the slot's int64 lengths (which ``call.lens``
+        points at while the bound layout has lengths), sets ``call``'s ``q``,
+        ``k``, ``v``, ``t`` and visibility (the mask, or none), and returns
+        True; otherwise False, ``call`` untouched (the caller's checked path
+        decides). Checks nothing else (``fitted``: as :meth:`ready` takes it).
         """
-        layout = self._layout
-        if layout is None or _layout(q, k, v, kv_len) != layout:
+        if not self.ready(q, k, v, kv_len, mask, fitted):
             return False
-        t = k.shape[2]
-        b, hq, sq = self._rows
-        if v.shape[2] != t or (sq != 1 and self.prompt(b, hq, sq, t)):  # :meth:`takes`, inline
-            return False
-        if kv_len is not None and not _lengths_fit(kv_len, self._prepared.lens, t):
-            return False  # the full checks raise the error
-        call.q, call.k, call.v, call.t = address(q), address(k), address(v), t
+        call.q, call.k, call.v, call.t = address(q), address(k), address(v), k.shape[2]
+        if mask is not None:  # a layout without one: its NULL is set when it is bound
+            call.vis, call.vis_heads = address(mask), mask.shape[1]
         return True
 
     def point(self, call):
@@ -222,11 +237,13 @@ class KernelSlot:
         """Copy the bound kernel's arguments and scratch address into ``call``.
 
         ``call.lens`` points at the slot's int64 lengths where the bound layout has
-        ``kv_len`` (:meth:`load` fills them each step), else is NULL.
+        ``kv_len`` (:meth:`load` fills them each step), else is NULL; ``call.vis``
+        is NULL until :meth:`load` points it at a step's mask.
         """
         prepared, layout = self._prepared, self._layout
         call.args, call.scratch = prepared.args, address(prepared.scratch)
         call.lens = None if layout is None or layout[-1] is None else address(prepared.lens)
+        call.vis, call.vis_heads = None, 0
 
     def fill(self, att, records):
         """Write ``att``'s state into host records ``(rows, D + 2)``, as :meth:`Attention.fill`."""
@@ -296,22 +313,40 @@ def prepare_attention(q, k, v, kv_len, q_pos, k_pos, mask, options):
     return problem, options, step, signature
 
 
-def _layout(q, k, v, kv_len):
+def _layout(q, k, v, kv_len, mask=None):
     """Return what a validated step's checks depend on but T; None if not all numpy.
 
     Two steps with equal layouts pass the same checks (shapes, dtypes, strides, the
-    kind of ``kv_len``) as long as K and V have the same length: a plan re-validates
-    only when the layout changes.
+    kind of ``kv_len``, a mask's ``(B, Hm, Sq)``) as long as K, V and the mask have
+    the same length: a plan re-validates only when the layout changes. A mask has a
+    layout only as the kernel reads it (:func:`_mask_layout`); the last entry is
+    ``kv_len``'s.
     """
     if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
         return None
-    lens = None
+    lens = vis = None
     if kv_len is not None:
         if type(kv_len) is not np.ndarray:
             return None
         lens = (kv_len.dtype, kv_len.shape)
+    if mask is not None:
+        vis = _mask_layout(mask)
+        if vis is None:
+            return None
     ks, vs = k.shape, v.shape
     return (
         q.dtype, k.dtype, v.dtype, q.shape, q.strides, ks[:2], ks[3:], vs[:2], vs[3:],
-        k.strides, v.strides, lens,
+        k.strides, v.strides, vis, lens,
     )  # fmt: skip
+
+
+def _mask_layout(mask):
+    """Return a mask's ``(B, Hm, Sq)`` where the kernel reads it as it is; else None.
+
+    That is a bool numpy array ``(B, Hm, Sq, T)``, C-contiguous: the visibility
+    :func:`~._masks.visibility` makes of it is the mask itself, so a bound step
+    pointing the kernel at it computes the checked step's records bit for bit.
+    """
+    if type(mask) is not np.ndarray or mask.dtype != np.bool_ or mask.ndim != 4:
+        return None
+    return mask.shape[:3] if mask.flags.c_contiguous else None

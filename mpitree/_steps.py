@@ -79,8 +79,9 @@ _I64x3 = ctypes.c_int64 * 3
 class Layout(NamedTuple):
     """What a one-shot call's checks and agreement depend on but the shard length.
 
-    Two calls with equal layouts pass the same checks (those on ``T`` aside) and
-    agree on the same signature: the memo's key (see :class:`Step`).
+    Two calls with equal layouts pass the same checks (those on ``T`` and
+    ``kv_len``'s range aside) and agree on the same signature: the memo's key (see
+    :class:`Step`).
 
     Attributes
     ----------
@@ -92,7 +93,7 @@ class Layout(NamedTuple):
     options : tuple
         :func:`options_key` of the call's options.
     arrays : tuple
-        ``tree_decode``: :func:`~._step._layout` of ``q, k, v``;
+        ``tree_decode``: :func:`~._step._layout` of ``q, k, v``, ``kv_len`` and the mask;
         ``allreduce_state``: the records' shape.
     dtype : numpy.dtype or None
         ``allreduce_state``: the records' dtype (``tree_decode``'s is in ``arrays``).
@@ -328,18 +329,19 @@ class Step:
         self.compiled = None  # a one-shot call's Bound (:meth:`bind`)
 
     @classmethod
-    def of(cls, call):
+    def of(cls, call, kv_len=None, mask=None):
         """Return the step of a one-shot call just agreed and merged, or None.
 
-        ``tree_decode``'s (``call.payload`` ``(problem, options, Attention, None)``)
-        where its kernel binds (:meth:`KernelSlot.bind`: host float32, not a
-        prompt); ``allreduce_state``'s (no payload) always.
+        ``tree_decode``'s (``call.payload`` ``(problem, options, Attention, None)``,
+        and the call's ``kv_len`` and mask) where its kernel binds
+        (:meth:`KernelSlot.bind`: host float32, not a prompt); ``allreduce_state``'s
+        (no payload) always.
         """
         if call.payload is None:
             return cls(call)
         problem, options, att, _ = call.payload
         step = cls(call, problem, options)
-        return step if step.kernel.bind(att) else None
+        return step if step.kernel.bind(att, kv_len, mask) else None
 
     # ------------------------------------------------------------------ prepare
     def check(self, args):
@@ -357,19 +359,21 @@ class Step:
         att = self.check(args)
         return Call(validated(att, dict(self.call.signature)), att)
 
-    def prepare(self, q=None, k=None, v=None):
+    def prepare(self, q=None, k=None, v=None, kv_len=None, mask=None):
         """Return a later one-shot call's :class:`Call` (guarded path), or None (full checks).
 
         ``tree_decode``'s (with its arrays): its local step runs the bound kernel,
-        where the shard length's checks pass (:meth:`KernelSlot.takes`);
+        where the checks that can change within its layout pass
+        (:meth:`KernelSlot.ready`: the shard length, ``kv_len``'s range; the
+        caller found this step by that layout);
         ``allreduce_state``'s: the agreed call again.
         """
         call = self.call
         if self.problem is None:
             return Call(call.signature, None, op=call.op, key=call.key, merge=call.merge)
-        if not self.kernel.takes(k, v):
-            return None  # K and V lengths differ, or a prompt: the full checks decide
-        fill = functools.partial(self.kernel.run_unheld, q, k, v)
+        if not self.kernel.ready(q, k, v, kv_len, mask, fitted=True):  # found by its layout
+            return None  # lengths out of range, or a prompt: the full checks decide
+        fill = functools.partial(self.kernel.run_unheld, q, k, v, mask=mask)
         payload = (self.problem, self.options, fill, None)
         return Call(call.signature, payload, op=call.op, key=call.key, merge=call.merge)
 
@@ -439,8 +443,8 @@ class Step:
         """Run a plan step's local work: check ``args`` against the plan, write the records.
 
         Fast path: a step with the layout of the last step that passed the full
-        checks, and no positions or mask, checks only what can change within a
-        layout (:meth:`KernelSlot.step`) and runs the bound kernel.
+        checks, and no positions, checks only what can change within a layout
+        (:meth:`KernelSlot.step`) and runs the bound kernel.
         """
         args = self.args
         kernel = self.kernel
@@ -448,8 +452,7 @@ class Step:
             self.fast
             and args[4] is None
             and args[5] is None
-            and args[6] is None
-            and kernel.step(args[0], args[1], args[2], args[3], records)
+            and kernel.step(args[0], args[1], args[2], args[3], records, args[6])
         ):
             return
         kernel.unbind()
@@ -458,11 +461,10 @@ class Step:
         if (
             args[4] is None
             and args[5] is None
-            and args[6] is None
             and records.dtype == np.float32
             and records.flags.c_contiguous
         ):
-            kernel.bind(att, args[3])  # no positions or mask: the next steps' kernel
+            kernel.bind(att, args[3], args[6])  # no positions: the next steps' kernel
 
     @property
     def q_len(self):
@@ -517,10 +519,13 @@ class Step:
         call = settle(self.comm, self.entry, call, None, got)
         return merged(call)
 
-    def decoded(self, call, q, k, v):
-        """``tree_decode``'s result after an agreement that settled, as the guarded path's."""
+    def decoded(self, call, q, k, v, mask=None):
+        """``tree_decode``'s result after an agreement that settled, as the guarded path's.
+
+        Its lengths are those the lane's :meth:`KernelSlot.load` copied in.
+        """
         merger = agreed_merger(self.comm, call)
-        records = merger.merge(functools.partial(self.kernel.run_unheld, q, k, v))
+        records = merger.merge(functools.partial(self.kernel.run_unheld, q, k, v, mask=mask))
         return finish(records.reshape(*self.rows, -1), q)
 
     def merged(self, call, records, out):
@@ -549,12 +554,13 @@ STEPS: dict = {}  # Layout -> Step: the one memo of recurring one-shot calls
 _seen: dict = {}  # the layouts of calls seen once: a step is made when one comes again
 
 
-def remember(layout, call):
+def remember(layout, call, *arrays):
     """Return ``layout``'s :class:`Step`, made from its agreed ``call`` on its second call.
 
     None on its first call, which only marks it seen: a loop whose every call has
     a new layout (a cache reallocated as it grows) makes no step in vain; None
-    too where :meth:`Step.of` makes none.
+    too where :meth:`Step.of` makes none (``arrays``: the call's ``kv_len`` and
+    mask, for it).
     """
     step = STEPS.get(layout)
     if step is not None:
@@ -564,7 +570,7 @@ def remember(layout, call):
             _seen.clear()
         _seen[layout] = None
         return None
-    step = Step.of(call)
+    step = Step.of(call, *arrays)
     if step is not None:
         if len(STEPS) >= _SIZE:
             STEPS.clear()

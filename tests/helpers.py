@@ -167,3 +167,40 @@ def lane_expected(comm=None):
 
     size = (comm or world()).Get_size()
     return native_lib() is not None and (_PERSISTENT_OK or size == 1)
+
+
+def compiled_runs(plan):
+    """Count ``plan``'s compiled calls (its one compiled step) in the returned list."""
+    runs, compiled = [], plan._compiled
+    if compiled is not None:
+        run = compiled.run
+        compiled.run = lambda out: runs.append(1) or run(out)
+    return runs
+
+
+def rank_cache(comm, shape, seed):
+    """This rank's clean float32 K and V of ``shape``, different on every rank."""
+    rng = np.random.default_rng([seed, comm.rank])
+    k = rng.standard_normal(shape).astype(np.float32)
+    return k, rng.standard_normal(shape).astype(np.float32)
+
+
+def assert_gathered_reference(comm, q, k, v, visible, out, lse=None):
+    """``out`` (and ``lse``) against the float64 reference over every rank's ``k``, ``v``.
+
+    ``visible``: bool, broadcastable to ``(B, Hm, Sq, T)`` on this rank's ``T`` keys:
+    the keys each row sees here. A row that sees no key on any rank is 0 (lse -inf),
+    and no output is NaN.
+    """
+    b, _, sq, _ = q.shape
+    mine = np.broadcast_to(visible, (b, np.shape(visible)[1], sq, k.shape[2]))
+    vis = np.concatenate(comm.allgather(np.ascontiguousarray(mine)), axis=3)
+    keys = np.concatenate(comm.allgather(k), axis=2).astype(np.float64)
+    values = np.concatenate(comm.allgather(v), axis=2).astype(np.float64)
+    ref, ref_lse = reference_attention(q, keys, values, visible=vis)
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(out[fin], ref[fin], atol=3e-5, rtol=0)
+    if lse is not None:
+        np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=1e-4, rtol=1e-5)
+        assert (lse[~fin] == -np.inf).all()
+    assert not out[~fin].any() and not np.isnan(out).any()

@@ -87,3 +87,30 @@ def test_a_decode_steps_cache_updates_allocate_nothing(
             token = logits[:, -1:].argmax(-1)
             sequence = torch.cat([sequence, token], 1)
     assert triton_selected["records"] > 0  # the layer's records came from the Triton kernel
+
+
+def test_a_split_models_devices_each_keep_their_token_range(monkeypatch):
+    """A model split over devices (its layers alternating between two here: "cpu" and
+    "meta") gets every step's token index as a view of its own device's kept range: no
+    range is made again at a device crossing, and each view is on its layer's device."""
+    from mpi4py import MPI
+
+    made = []
+    arange = torch.arange
+
+    def counted(*args, **kwargs):
+        made.append(kwargs["device"])
+        return arange(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "arange", counted)
+    sharding = _cache.Sharding(MPI.COMM_SELF, "last", 1, "auto", False)
+    devices = (torch.device("cpu"), torch.device("meta"))
+    for idx in range(10, 300):
+        for layer in range(4):
+            device = devices[layer // 2]
+            token = sharding.token(idx, device)
+            assert token.device == device and token.shape == (1,)
+            if device.type == "cpu":
+                assert int(token) == idx
+    # one range per device, and one more each when the index outgrew 256: 4 in all
+    assert sorted(d.type for d in made) == ["cpu", "cpu", "meta", "meta"]

@@ -13,30 +13,24 @@ import gc
 import numpy as np
 import pytest
 import torch
-from helpers import gathered_identical, world
-from numpy.testing import assert_allclose
+from helpers import (
+    assert_gathered_reference,
+    compiled_runs,
+    gathered_identical,
+    rank_cache,
+    world,
+)
 
 import mpitree
-from mpitree import extend, reference_attention
+from mpitree import extend
 
 NPROCS = [1, 2, 3]
 B, HQ, HKV, DIM = 3, 4, 2, 8
 
 
-def compiled_runs(plan):
-    """Count ``plan``'s compiled calls in the returned list."""
-    runs, compiled = [], plan._compiled
-    if compiled is not None:
-        run = compiled.run
-        compiled.run = lambda out: runs.append(1) or run(out)
-    return runs
-
-
 def cache(comm, cap, seed):
     """This rank's clean ``(B, HKV, cap, DIM)`` K and V."""
-    rng = np.random.default_rng([seed, comm.rank])
-    k = rng.standard_normal((B, HKV, cap, DIM)).astype(np.float32)
-    return k, rng.standard_normal(k.shape).astype(np.float32)
+    return rank_cache(comm, (B, HKV, cap, DIM), seed)
 
 
 def poisoned(k, v, used):
@@ -51,14 +45,7 @@ def poisoned(k, v, used):
 def check_against_reference(comm, q, k, v, used, out, lse):
     """``out`` and ``lse`` against the float64 reference over every rank's valid keys."""
     seen = np.arange(k.shape[2])[None, :] < np.asarray(used, np.int64)[:, None]
-    visible = np.concatenate(comm.allgather(seen), axis=1)
-    keys = np.concatenate(comm.allgather(k), axis=2).astype(np.float64)
-    values = np.concatenate(comm.allgather(v), axis=2).astype(np.float64)
-    ref, ref_lse = reference_attention(q, keys, values, visible=visible[:, None, None])
-    assert_allclose(out, ref, atol=3e-5, rtol=0)
-    fin = np.isfinite(ref_lse)
-    assert_allclose(lse[fin], ref_lse[fin], atol=1e-4, rtol=1e-5)
-    assert (lse[~fin] == -np.inf).all() and not out[~fin].any() and not np.isnan(out).any()
+    assert_gathered_reference(comm, q, k, v, seen[:, None, None], out, lse)
 
 
 KINDS = {

@@ -6,7 +6,7 @@ import weakref
 
 import numpy as np
 import pytest
-from helpers import counted_lane_calls, lane_expected, world
+from helpers import assert_gathered_reference, counted_lane_calls, lane_expected, world
 from numpy.testing import assert_allclose
 
 import mpitree
@@ -516,3 +516,71 @@ def test_ranks_whose_arrays_live_in_different_frameworks_raise():
     assert_allclose(
         mpitree.tree_decode(*every, comm).numpy(), reference_attention(*ref)[0], atol=2e-5
     )
+
+
+def fixed_capacity(comm, steps, b=2, hq=4, hkv=2, sq=3, d=16, cap=9, seed=5):
+    """Yield (q, k, v, kv_len, mask, visible) per step over one fixed-capacity cache.
+
+    Every rank's whole ``(b, hkv, cap, d)`` buffer is passed each step with a ``kv_len``
+    (uneven, rank 0's 0 at first) and a fresh C-contiguous bool ``(b, 1, sq, cap)`` mask
+    (a draft tree's); NaN and Inf fill every slot past ``kv_len``.
+    """
+    rng = np.random.default_rng([seed, comm.rank])
+    clean_k = rng.standard_normal((b, hkv, cap, d)).astype(np.float32)
+    clean_v = rng.standard_normal((b, hkv, cap, d)).astype(np.float32)
+    k, v = clean_k.copy(), clean_v.copy()
+    for step in range(steps):
+        used = np.array([min(cap, step * (comm.rank + 1)), min(cap, step + comm.rank)])
+        past = np.arange(cap)[None, :] >= used[:, None]
+        k[...], v[...] = clean_k, clean_v
+        k[np.broadcast_to(past[:, None, :, None], k.shape)] = np.nan
+        v[np.broadcast_to(past[:, None, :, None], v.shape)] = np.inf
+        mask = rng.random((b, 1, sq, cap)) < 0.7
+        q = np.random.default_rng([seed, step]).standard_normal((b, hq, sq, d))
+        yield q.astype(np.float32), k, v, used, mask, ~past, (clean_k, clean_v)
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_a_recurring_tree_decode_with_kv_len_takes_its_lane(with_mask, decode_lane_calls):
+    """A recurring decode over a fixed-capacity cache with ``kv_len`` (and a draft tree's
+    mask) is one compiled call from its third call: the guarded calls' bits, exact against
+    the float64 reference, garbage past ``kv_len`` unread."""
+    comm = world()
+    for q, k, v, used, mask, keep, clean in fixed_capacity(comm, 6):
+        given = mask if with_mask else None
+        visible = keep[:, None, None, :] & (mask if with_mask else True)
+        out = mpitree.tree_decode(q, k, v, comm, kv_len=used, mask=given)
+        # return_lse takes the guarded path (its local step the same bound kernel)
+        guarded, _ = mpitree.tree_decode(q, k, v, comm, kv_len=used, mask=given, return_lse=True)
+        assert np.array_equal(out, guarded)
+        assert_gathered_reference(comm, q, *clean, visible, out)
+    assert len(decode_lane_calls) == (4 if lane_expected(comm) else 0)
+
+
+@pytest.mark.parallel(nprocs=[2, 3])
+@pytest.mark.parametrize("bad", ["kv_len past T", "negative kv_len", "mask one key short"])
+def test_a_bad_kv_len_or_mask_beside_compiled_decodes_raises_everywhere(bad, decode_lane_calls):
+    """One rank's kv_len or mask the checks refuse while the others run their compiled
+    call: every rank raises (the bad one its own error), then the lane goes on."""
+    comm = world()
+    last = comm.Get_size() - 1
+    *_, (q, k, v, used, mask, _, _) = fixed_capacity(comm, 4)
+    first = mpitree.tree_decode(q, k, v, comm, kv_len=used, mask=mask)
+    for _ in range(2):
+        assert np.array_equal(mpitree.tree_decode(q, k, v, comm, kv_len=used, mask=mask), first)
+    taken = len(decode_lane_calls)
+    lens, given = used, mask
+    if comm.rank == last:
+        if bad == "kv_len past T":
+            lens = used + k.shape[2] + 1
+        elif bad == "negative kv_len":
+            lens = used - 100
+        else:
+            given = np.ascontiguousarray(mask[..., :-1])
+    with pytest.raises(ValueError) as info:
+        mpitree.tree_decode(q, k, v, comm, kv_len=lens, mask=given)
+    assert ("invalid input on rank" in str(info.value)) == (comm.rank != last)
+    assert np.array_equal(mpitree.tree_decode(q, k, v, comm, kv_len=used, mask=mask), first)
+    if lane_expected(comm):  # the good ranks' failed call and the last call ran compiled
+        assert len(decode_lane_calls) - taken == 1 + (comm.rank != last)

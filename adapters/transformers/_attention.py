@@ -11,6 +11,7 @@ import torch
 from transformers.masking_utils import causal_mask_function, prepare_padding_mask
 
 from mpitree import extend
+from mpitree._agreed import with_merge_fields
 from mpitree._checks import check_qkv
 from mpitree._invariant_step import invariant_pieces, invariant_signature
 from mpitree._merger import Merger
@@ -563,7 +564,8 @@ def _check_step(query, key, value, scaling, sharding, recipe, sharded):
     else:
         merge = (problem.rows, problem.head_dim, problem.acc, opts)
         key = None if recipe.facts is None else ("ShardedCache step", recipe.facts)
-        checked = extend.Call(recipe.signature, payload, key=key, merge=merge)
+        # the options and sizes the merger depends on, agreed in the template once
+        checked = with_merge_fields(extend.Call(recipe.signature, payload, key=key, merge=merge))
     if recipe.facts is not None:
         recipe.checked = checked
     return checked

@@ -75,11 +75,11 @@ class Sharding:
     # the last attention call's :class:`~._attention.Recipe`: layers and steps reuse its
     # signature dict and, once checked, its verdict, options and merge while its facts repeat
     recipe: object = None
-    # (index, device, tensor [index]) of the last decode step's token: every layer's
-    token_memo: tuple | None = None
-    # int64 0, 1, 2, ... on the device of the last decode step's token: each step's
-    # ``[index]`` is a view of it (no allocation, no host-to-device copy a step)
-    token_range: torch.Tensor | None = None
+    # device -> (index, tensor [index]) of the last decode step's token there: every layer's
+    token_memo: dict = field(default_factory=dict)
+    # device -> int64 0, 1, 2, ... there: each step's ``[index]`` is a view of it (no
+    # allocation, no host-to-device copy a step, on every device a split model's layers use)
+    token_range: dict = field(default_factory=dict)
     # (View, thread id) of the last update given no attention keywords to carry its view,
     # until an attention call in that thread claims it (see :func:`claim`)
     unclaimed: tuple | None = None
@@ -106,6 +106,7 @@ class Sharding:
         """Copy the state and share the communicator (MPI communicators are never copied)."""
         twin = copy.copy(self)
         twin.pending = twin.captured = twin.unclaimed = twin.handed = None
+        twin.token_memo, twin.token_range = {}, dict(self.token_range)  # the ranges: read only
         twin.step = Step(-1)
         twin.history = copy.deepcopy(self.history, memo)
         return twin
@@ -138,16 +139,18 @@ class Sharding:
     def token(self, idx, device):
         """Return the int64 tensor ``[idx]`` on ``device``, one for every layer of a decode step.
 
-        A view of :attr:`token_range`, made with room to grow (by half when
-        outgrown): a step neither allocates it nor copies it to the device.
+        A view of :attr:`token_range`'s tensor for ``device``, made with room to
+        grow (by half when outgrown): a step neither allocates it nor copies it to
+        the device, on each device of a model split over several.
         """
-        memo = self.token_memo
-        if memo is None or memo[0] != idx or memo[1] != device:
-            tokens = self.token_range
-            if tokens is None or tokens.device != device or idx >= tokens.shape[0]:
-                tokens = self.token_range = torch.arange(max(idx + idx // 2, 256), device=device)
-            memo = self.token_memo = (idx, device, tokens[idx : idx + 1])
-        return memo[2]
+        memo = self.token_memo.get(device)
+        if memo is None or memo[0] != idx:
+            tokens = self.token_range.get(device)
+            if tokens is None or idx >= tokens.shape[0]:
+                tokens = torch.arange(max(idx + idx // 2, 256), device=device)
+                self.token_range[device] = tokens
+            memo = self.token_memo[device] = (idx, tokens[idx : idx + 1])
+        return memo[1]
 
     def advance(self, positions, before, values=None):
         """Return whether a step at ``positions`` ``(B, Sq)`` re-feeds tokens, and its history.
