@@ -394,7 +394,20 @@ def cache_init_cases():
         "invariant with strategy": lambda bad: call(
             bad, deterministic="invariant", strategy="ring"
         ),
+        "static: capacity differs": lambda bad: static(bad, max_cache_len=31),
+        "static: capacity 0": lambda bad: static(bad, max_cache_len=0),
+        "static: capacity a float": lambda bad: static(bad, max_cache_len=32.0),
+        "static: capacity a bool": lambda bad: static(bad, max_cache_len=True),
+        "static: invariant on one rank": lambda bad: static(bad, deterministic="invariant"),
     }
+
+
+def static(bad, **change):
+    """A StaticShardedCache (its construction is ShardedCache's), ``change`` on the bad rank."""
+    kw = dict(block_size=4, max_cache_len=32)
+    if bad:
+        kw.update(change)
+    mtt.StaticShardedCache(**kw)
 
 
 def filled_cache(batch=2, length=9, **options):

@@ -690,6 +690,7 @@ class ShardedCache(Cache):
             size = opts.block_size or block_size or 64
             sig = {"placement": placement, "block_size": size}
             sig.update(strategy=opts.strategy, deterministic=opts.deterministic)
+            sig.update(self._agreed(opts))
             if invariant:
                 invariant_signature(sig)
             return extend.Call(sig, (opts, size))
@@ -700,6 +701,14 @@ class ShardedCache(Cache):
         super().__init__(layers=[ShardedLayer(self.sharding) for _ in range(layers)])
         self.sharding.layers = layers
         self.sharding.config = config
+
+    def _agreed(self, opts):
+        """Check what a subclass adds to the construction's one agreement; return its fields.
+
+        Runs inside the agreement's local phase (an exception is this rank's verdict);
+        ``opts`` are the cache's resolved options. None here.
+        """
+        return {}
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Store this rank's share of the new K/V for ``layer_idx``; return the shard.

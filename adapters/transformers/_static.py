@@ -6,7 +6,6 @@ import copy
 
 import torch
 
-from mpitree import extend
 from mpitree._options import INVARIANT
 
 from .. import torch as adapter
@@ -261,25 +260,20 @@ class StaticShardedCache(ShardedCache):
     length, not to its position ids (which it never reads).
     """
 
-    @extend.entry_point
     def __init__(self, config=None, *, max_cache_len, **kwargs):
+        self._size = max_cache_len  # checked and agreed in ShardedCache's one agreement
         super().__init__(config, **kwargs)
-        sharding = self.sharding
-
-        def prepare():
-            if (
-                isinstance(max_cache_len, bool)
-                or not isinstance(max_cache_len, int)
-                or max_cache_len < 1
-            ):
-                raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
-            if sharding.deterministic == INVARIANT:
-                raise ValueError("StaticShardedCache does not take deterministic='invariant'")
-            return extend.Call({"max_cache_len": max_cache_len})
-
-        extend.agree(sharding.comm, prepare)
         self.capacity = Capacity(max_cache_len)
-        self.layers = [StaticShardedLayer(sharding, self.capacity) for _ in self.layers]
+        self.layers = [StaticShardedLayer(self.sharding, self.capacity) for _ in self.layers]
+
+    def _agreed(self, opts):
+        """``max_cache_len`` and the options, checked in the construction's one agreement."""
+        size = self._size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"max_cache_len must be a positive int, got {size!r}")
+        if opts.deterministic == INVARIANT:
+            raise ValueError("StaticShardedCache does not take deterministic='invariant'")
+        return {"max_cache_len": size}
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Store this rank's share of the new K/V for ``layer_idx`` (see :class:`ShardedCache`)."""
