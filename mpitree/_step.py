@@ -330,7 +330,7 @@ def _layout(q, k, v, kv_len, mask=None):
             return None
         lens = (kv_len.dtype, kv_len.shape)
     if mask is not None:
-        vis = _mask_layout(mask)
+        vis = _mask_layout(mask, q.shape)
         if vis is None:
             return None
     ks, vs = k.shape, v.shape
@@ -340,13 +340,19 @@ def _layout(q, k, v, kv_len, mask=None):
     )  # fmt: skip
 
 
-def _mask_layout(mask):
+def _mask_layout(mask, shape):
     """Return a mask's ``(B, Hm, Sq)`` where the kernel reads it as it is; else None.
 
-    That is a bool numpy array ``(B, Hm, Sq, T)``, C-contiguous: the visibility
+    That is a bool numpy array ``(B, Hm, Sq, T)``, C-contiguous, with q's ``B`` and
+    ``Sq`` (``shape``: q's) and ``Hm`` 1 or q's ``Hq``: the visibility
     :func:`~._masks.visibility` makes of it is the mask itself, so a bound step
-    pointing the kernel at it computes the checked step's records bit for bit.
+    pointing the kernel at it computes the checked step's records bit for bit. A
+    mask the checks broadcast (a size-1 ``B`` or ``Sq``) is None: the kernel would
+    read past it.
     """
     if type(mask) is not np.ndarray or mask.dtype != np.bool_ or mask.ndim != 4:
+        return None
+    b, hm, sq, _ = mask.shape
+    if b != shape[0] or sq != shape[2] or hm not in (1, shape[1]):
         return None
     return mask.shape[:3] if mask.flags.c_contiguous else None

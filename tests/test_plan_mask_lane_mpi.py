@@ -178,3 +178,38 @@ def test_a_mask_refused_on_one_rank_beside_compiled_steps(name):
             assert isinstance(raised.value, mpitree.RankError), raised.value
             assert f"rank {bad}" in str(raised.value)
         assert np.array_equal(plan.decode(q, k, v, mask=mask), first)
+
+
+def broadcast_mask(which, t):
+    """A C-contiguous mask with a size-1 B or Sq, whose memory runs on into other bytes."""
+    whole = np.random.default_rng(3).random(B * SQ * t) < 0.5
+    first = (1, 1, SQ, t) if which == "batch" else (B, 1, 1, t)
+    n = int(np.prod(first))
+    whole[n:] = ~whole[: len(whole) - n]  # what lies past it differs from it
+    return whole[:n].reshape(first)
+
+
+@pytest.mark.parallel(nprocs=NPROCS)
+@pytest.mark.parametrize("which", ["batch", "query"])
+@pytest.mark.parametrize("entry", ["plan", "tree_decode"])
+def test_a_mask_the_checks_broadcast_keeps_their_bits(which, entry):
+    """A 4-D mask with a size-1 B or Sq (the checks broadcast it) never runs a compiled
+    call, which would read past it: every call gives the full checks' bits."""
+    comm = world()
+    t = 6
+    k, v = shard(comm, t, 101)
+    q = query(102)
+    mask = broadcast_mask(which, t)
+    if entry == "plan":
+        with mpitree.DecodePlan(B, HQ, HKV, DIM, q_len=SQ, comm=comm) as plan:
+            runs = compiled_runs(plan)
+            with extend.tools.full_checks():
+                want = plan.decode(q, k, v, mask=mask)
+            outs = [plan.decode(q, k, v, mask=mask) for _ in range(4)]
+        assert not runs
+    else:
+        want = mpitree.tree_decode(q, k, v, comm, mask=mask, validate=True)
+        outs = [mpitree.tree_decode(q, k, v, comm, mask=mask) for _ in range(4)]
+    assert all(np.array_equal(out, want) for out in outs)
+    visible = np.broadcast_to(mask, (B, 1, SQ, t))
+    assert_gathered_reference(comm, q, k, v, visible, want)
