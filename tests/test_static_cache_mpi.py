@@ -9,7 +9,10 @@ the capacity no step has written. The ``cuda``-marked cases capture a decode for
 in ``torch.cuda.CUDAGraph`` and replay it.
 """
 
+import copy
+
 import mpitree.adapters.transformers as mtt
+import numpy as np
 import pytest
 import torch
 from helpers import world
@@ -277,6 +280,60 @@ def test_a_bad_capacity_raises_on_every_rank():
             mtt.StaticShardedCache(max_cache_len=16 + comm.rank)
     with pytest.raises(ValueError, match="invariant"):
         mtt.StaticShardedCache(max_cache_len=16, deterministic="invariant")
+    assert mtt.StaticShardedCache(max_cache_len=np.int64(16)).max_cache_len == 16  # an integer
+
+
+MESSAGE = "mpitree's attention has no backward"
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_backward_through_a_static_decode_step_raises(triton_selected):  # noqa: F811
+    """A decode step under grad mode (the device path) ties its output to a backward that
+    raises, as every mpitree attention does: gradients never silently vanish."""
+    model = tiny_llama()
+    model.set_attn_implementation("mpitree")
+    ids, _ = prompt(6, False)
+    cache = mtt.StaticShardedCache(model.config, max_cache_len=16)
+    with torch.no_grad():
+        token = model(ids, cache=cache).logits[:, -1:].argmax(-1)
+        plain = model(token, cache=copy.deepcopy(cache), position_ids=torch.full((2, 1), 6))
+    logits = model(token, cache=cache, position_ids=torch.full((2, 1), 6)).logits
+    assert cache.capacity.facts is not None  # the step took the device path
+    assert torch.equal(logits.detach(), plain.logits)
+    with pytest.raises(RuntimeError, match=MESSAGE):
+        logits.sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is None
+
+
+@pytest.mark.parallel(nprocs=[1, 2, 3])
+def test_a_later_layers_other_scaling_raises_on_every_rank(triton_selected):  # noqa: F811
+    """A decode step's later layer with another scaling than its first layer's raises on
+    every rank (as a ShardedCache's does), never attends with the first layer's."""
+    g = torch.Generator().manual_seed(0)
+    cache = mtt.StaticShardedCache(max_cache_len=16, block_size=2)
+    for layer in (0, 1):
+        k = torch.randn(2, 2, 6, 16, generator=g)
+        keys, values = cache.update(k, k, layer)
+        mtt.attention_interface(None, torch.randn(2, 4, 6, 16, generator=g), keys, values, None)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    k = torch.randn(2, 2, 1, 16, generator=g)
+    keys, values = cache.update(k, k, 0)
+    mtt.attention_interface(None, q, keys, values, None)
+    assert cache.capacity.facts is not None  # the step took the device path
+    keys, values = cache.update(k, k, 1)
+    with pytest.raises((ValueError, RankError), match=r"scaling|rank"):
+        mtt.attention_interface(None, q, keys, values, None, scaling=0.5)
+
+
+@pytest.mark.parametrize("strategy", ["nccl", "device-node", "ring"])
+def test_a_static_step_refuses_strategies_that_do_not_merge_host_records(strategy):
+    """Its merger's records are host memory (pinned on CUDA): a strategy that merges device
+    buffers only, or moves K/V, is refused in the step's checks (so on every rank)."""
+    cache = mtt.StaticShardedCache(max_cache_len=16)
+    cache.sharding.strategy = strategy
+    q, k = torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=strategy):
+        _static_step._checked(q, k, k, None, None, cache.sharding)
 
 
 @pytest.mark.parallel(nprocs=[2, 3])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 
 import torch
 
@@ -263,14 +264,19 @@ class StaticShardedCache(ShardedCache):
     def __init__(self, config=None, *, max_cache_len, **kwargs):
         self._size = max_cache_len  # checked and agreed in ShardedCache's one agreement
         super().__init__(config, **kwargs)
-        self.capacity = Capacity(max_cache_len)
+        self.capacity = Capacity(self._size)
         self.layers = [StaticShardedLayer(self.sharding, self.capacity) for _ in self.layers]
 
     def _agreed(self, opts):
         """``max_cache_len`` and the options, checked in the construction's one agreement."""
         size = self._size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"max_cache_len must be a positive int, got {size!r}")
+        try:
+            size = None if isinstance(size, bool) else operator.index(size)
+        except TypeError:
+            size = None
+        if size is None or size < 1:
+            raise ValueError(f"max_cache_len must be a positive int, got {self._size!r}")
+        self._size = size
         if opts.deterministic == INVARIANT:
             raise ValueError("StaticShardedCache does not take deterministic='invariant'")
         return {"max_cache_len": size}

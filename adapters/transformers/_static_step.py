@@ -16,8 +16,9 @@ import torch
 from transformers.masking_utils import causal_mask_function
 
 from mpitree import extend
+from mpitree._namespace import namespace
 from mpitree._options import dtype_name
-from mpitree._registry import needs_kv
+from mpitree._registry import AUTO, host_strategies, needs_kv
 
 from .. import torch as adapter
 
@@ -45,30 +46,46 @@ def attend(view, query, key, value, mask, scaling):
             raise
     merger = agreed.merger
     if merger is None:  # one rank: kernels only
-        _check(view, query, mask)
-        return _records(layer, query, agreed.scale)[1]
+        _check(view, query, mask, scaling)
+        return _refused(_records(layer, query, agreed.scale)[1], query)
     host = layer.capacity.host
 
     def local(records):
-        _check(view, query, mask)
+        _check(view, query, mask, scaling)
         host.copy_(_records(layer, query, agreed.scale)[0])  # the one copy down
 
     merger.merge(local)
     rec, out, _, _ = layer.work
     rec.copy_(host)  # the one copy up
     adapter._triton().finish_output(rec.transpose(1, 2), out.dtype, out)
+    return _refused(out, query)
+
+
+def _refused(out, query):
+    """``out``, tied under grad mode to ``query`` (if it needs grad) by a backward that raises.
+
+    The query alone: K and V are views of the cache's buffers, which autograd does not
+    let a Function take once a step wrote them in place.
+    """
+    if torch.is_grad_enabled():  # never while decoding under no_grad (nor in a graph)
+        return namespace(out).refuse_gradient((out,), (query,))[0]
     return out
 
 
-def _check(view, query, mask):
-    """Raise unless this layer's step is the one agreed (its update worked, same query, mask)."""
+def _check(view, query, mask, scaling):
+    """Raise unless this layer's step is the one agreed (its update, query, mask, scaling)."""
     if view.error is not None:
         raise view.error
     cap = view.layer.capacity
-    if mask is not cap.mask or (query.shape, query.dtype, query.device) != cap.facts[0]:
+    facts = cap.facts
+    if (
+        mask is not cap.mask
+        or (query.shape, query.dtype, query.device) != facts[0]
+        or (scaling.hex() if type(scaling) is float else scaling) != facts[3]
+    ):
         raise ValueError(
-            "StaticShardedCache: this layer's query or mask differs from the step's first "
-            f"layer's ({tuple(query.shape)} {query.dtype})"
+            "StaticShardedCache: this layer's query, mask or scaling differs from the step's "
+            f"first layer's ({tuple(query.shape)} {query.dtype}, scaling {scaling!r})"
         )
 
 
@@ -139,6 +156,11 @@ def _checked(query, key, value, mask, scaling, sharding):
     if needs_kv(opts.strategy):
         raise ValueError(
             f"StaticShardedCache merges records: strategy {opts.strategy!r} is not supported"
+        )
+    if opts.strategy != AUTO and opts.strategy not in host_strategies():
+        raise ValueError(
+            f"StaticShardedCache merges its records from host memory: strategy "
+            f"{opts.strategy!r} merges device buffers only"
         )
     signature = {
         "cache": "StaticShardedCache",
