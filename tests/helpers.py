@@ -204,3 +204,18 @@ def assert_gathered_reference(comm, q, k, v, visible, out, lse=None):
         np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=1e-4, rtol=1e-5)
         assert (lse[~fin] == -np.inf).all()
     assert not out[~fin].any() and not np.isnan(out).any()
+
+
+def allocations_in_spans(step, span):
+    """Run ``step()`` under torch's profiler; return (allocations inside the ``span``-named
+    profiler ranges, how many such ranges, step's result)."""
+    import torch
+
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        result = step()
+    events = prof.profiler.kineto_results.events()
+    spans = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == span]
+    made = [e.start_ns() for e in events if e.name() == "[memory]" and e.nbytes() > 0]
+    return sum(any(a <= t <= b for a, b in spans) for t in made), len(spans), result

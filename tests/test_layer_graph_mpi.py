@@ -13,6 +13,7 @@ import mpitree.adapters.transformers as mtt
 import numpy as np
 import pytest
 import torch
+from helpers import allocations_in_spans
 from models import prompt, tiny_llama
 from mpitree.adapters import torch as adapter
 from mpitree.adapters.transformers import _attention, _cache
@@ -33,18 +34,6 @@ def layer_spans(monkeypatch):
             return update(*args, **kwargs)
 
     monkeypatch.setattr(_cache.ShardedCache, "update", spanned)
-
-
-def allocations_in_spans(step):
-    """Run ``step()`` under torch's profiler; return the allocations made inside the spans."""
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
-        result = step()
-    events = prof.profiler.kineto_results.events()
-    spans = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == SPAN]
-    made = [e.start_ns() for e in events if e.name() == "[memory]" and e.nbytes() > 0]
-    return sum(any(a <= t <= b for a, b in spans) for t in made), len(spans), result
 
 
 @pytest.mark.parallel(nprocs=[1, 2, 3])
@@ -79,7 +68,7 @@ def test_a_decode_steps_cache_updates_allocate_nothing(
             else:
                 records = cache.sharding.step.merger.records
                 records[...] = 7.0
-                made, spans, logits = allocations_in_spans(decode)
+                made, spans, logits = allocations_in_spans(decode, SPAN)
                 assert spans == LAYERS and made == 0  # every layer's update, allocating nothing
                 assert not np.all(records == 7.0)
             expected = eager(sequence).logits[:, -1:]

@@ -15,7 +15,7 @@ import mpitree.adapters.transformers as mtt
 import numpy as np
 import pytest
 import torch
-from helpers import world
+from helpers import allocations_in_spans, world
 from models import greedy, prompt, tiny_llama
 from mpitree.adapters.transformers import _attention, _static_step
 from numpy.testing import assert_allclose
@@ -171,18 +171,6 @@ class HostReads:
         return run
 
 
-def allocations_in_spans(step):
-    """Run ``step()`` under torch's profiler; return the allocations made inside the spans."""
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
-        result = step()
-    events = prof.profiler.kineto_results.events()
-    spans = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == SPAN]
-    made = [e.start_ns() for e in events if e.name() == "[memory]" and e.nbytes() > 0]
-    return sum(any(a <= t <= b for a, b in spans) for t in made), len(spans), result
-
-
 @pytest.mark.parallel(nprocs=[1, 2, 3])
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_decode_step_reads_nothing_on_the_host_and_allocates_nothing(
@@ -216,7 +204,7 @@ def test_a_decode_step_reads_nothing_on_the_host_and_allocates_nothing(
             else:
                 reads.reads, reads.copies = [], 0
                 reads.on = mask is None  # unpadded: the whole forward; padded: the spans
-                made, spans, logits = allocations_in_spans(decode)
+                made, spans, logits = allocations_in_spans(decode, SPAN)
                 reads.on = False
                 assert (spans, made) == (2 * LAYERS, 0)  # every layer's update and attention
                 assert reads.reads == []
