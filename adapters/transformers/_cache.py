@@ -552,6 +552,10 @@ class ShardedLayer(CacheLayerMixin):
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         self.length = max(self.length + tokens_to_remove, 0)
+        self._keep_first()
+
+    def _keep_first(self):
+        """Keep the shard's tokens among the first :attr:`length` global ones (after a crop)."""
         keep = self.positions < self.length
         count = int(keep.sum())
         if bool(keep[:count].all()):  # the usual case (positions ascend): views, no copy

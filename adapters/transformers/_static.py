@@ -169,13 +169,8 @@ class StaticShardedLayer(ShardedLayer):
             self.length = start + 1
         return View(self.keys, self, None, False, start)
 
-    def crop(self, tokens_to_remove):
-        """Drop the last ``-tokens_to_remove`` global tokens (negative): the counters go back."""
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative count of tokens to remove")
-        if tokens_to_remove == 0 or not self.is_initialized:
-            return
-        self.length = max(self.length + tokens_to_remove, 0)
+    def _keep_first(self):
+        """After a crop (:meth:`ShardedLayer.crop`): the counters go back to :attr:`length`."""
         self.local = int(self.capacity.tables[4][: self.length].sum())
         length, lens = self.counters[:2]
         length.fill_(self.length)
